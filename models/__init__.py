@@ -1,0 +1,51 @@
+"""Plain Keras model builders for tfscale (depend on keras only).
+
+Every builder returns an uncompiled ``keras.Model`` that maps channels_last images
+to float32 logits (no softmax), computes in the global dtype policy (half
+precision under "mixed_float16" / "mixed_bfloat16") and keeps float32 variables.
+BatchNormalization variable paths contain "bn" and bias paths end in "bias", so
+an optimizer can exclude them from weight decay by regex.
+
+Example:
+
+    import models
+    model = models.get("resnet50", num_classes=1000)
+"""
+
+from models.alexnet import alexnet_bn
+from models.resnet import resnet50
+
+_BUILDERS = {
+    "alexnet_bn": alexnet_bn,
+    "resnet50": resnet50,
+}
+
+
+def names():
+    """Returns the sorted list of model names accepted by `get`."""
+    return sorted(_BUILDERS)
+
+
+def get(name, **kwargs):
+    """Builds a model by name.
+
+    Args:
+        name: One of `names()`, e.g. "resnet50" or "alexnet_bn".
+        **kwargs: Keyword arguments of the builder, e.g. ``num_classes``.
+
+    Returns:
+        The ``keras.Model`` built by the named builder.
+
+    Raises:
+        ValueError: If ``name`` is not a known model name.
+    """
+    try:
+        builder = _BUILDERS[name]
+    except (KeyError, TypeError):  # TypeError: unhashable name.
+        raise ValueError(
+            f"Unknown model name: {name!r}. Known: {', '.join(names())}"
+        ) from None
+    return builder(**kwargs)
+
+
+__all__ = ["alexnet_bn", "get", "names", "resnet50"]

@@ -1,0 +1,467 @@
+"""Learning-rate rules and schedules for large-batch training.
+
+The recipe of Jia et al. 2018 (and of the MLPerf ResNet-50 LARS reference):
+scale the learning rate with the global batch (`linear_scaling`), ramp it up
+linearly over the first epochs (`Warmup`), then decay it polynomially with
+power 2 to the end of training (`PolynomialDecay`, or both at once:
+`WarmupPolynomialDecay`). `OneCycle` is the super-convergence alternative.
+
+All schedules are `keras.optimizers.schedules.LearningRateSchedule`s: they
+take the optimizer's step (a Python number or an integer tensor, also inside
+`tf.function`) and return a float32 scalar tensor. Schedules count steps
+(optimizer updates); convert epochs with `epochs_to_steps`
+(`steps = round(epochs * steps_per_epoch)`).
+"""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_float(name, value, rule, ok):
+    """Raises ValueError unless `value` is a real number with `ok(value)`."""
+    if not (_is_number(value) and math.isfinite(value) and ok(value)):
+        raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
+    return float(value)
+
+
+def _check_int(name, value, low):
+    """Raises ValueError unless `value` is an integer >= `low`."""
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and value >= low):
+        raise ValueError(
+            f"`{name}` must be an integer >= {low}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def _step_float(step):
+    return ops.cast(step, "float32")
+
+
+def linear_scaling(base_lr, global_batch_size, base_batch_size=256):
+    """Linear scaling rule: the learning rate grows with the batch size.
+
+    ```python
+    lr = base_lr * global_batch_size / base_batch_size
+    ```
+
+    E.g. ResNet-50's 0.1 at batch 256 gives 25.6 at batch 65536 (with LARS
+    the peak is usually tuned below this; the rule gives the starting point).
+
+    Args:
+        base_lr: float > 0, the learning rate tuned at `base_batch_size`.
+        global_batch_size: int >= 1, the batch of one optimizer step summed
+            over all workers.
+        base_batch_size: int >= 1, the reference batch. Defaults to `256`.
+
+    Returns:
+        The scaled learning rate, a Python float.
+
+    References:
+        - [Goyal et al., 2017. Accurate, Large Minibatch SGD: Training
+          ImageNet in 1 Hour](https://arxiv.org/abs/1706.02677)
+    """
+    base_lr = _check_float("base_lr", base_lr, "a number > 0", lambda v: v > 0)
+    global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
+    base_batch_size = _check_int("base_batch_size", base_batch_size, 1)
+    return base_lr * global_batch_size / base_batch_size
+
+
+def epochs_to_steps(epochs, steps_per_epoch):
+    """Converts a duration in epochs to optimizer steps.
+
+    ```python
+    steps = round(epochs * steps_per_epoch)
+    ```
+
+    Args:
+        epochs: number >= 0, may be fractional (e.g. warmup over 2.5 epochs).
+        steps_per_epoch: int >= 1, i.e. `ceil(num_examples / global_batch)`
+            (or the `steps_per_epoch` given to `model.fit`).
+
+    Returns:
+        An int.
+    """
+    epochs = _check_float("epochs", epochs, "a number >= 0", lambda v: v >= 0)
+    steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch, 1)
+    return int(round(epochs * steps_per_epoch))
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
+class PolynomialDecay(LearningRateSchedule):
+    """Polynomial decay from `initial_learning_rate` to `end_learning_rate`.
+
+    ```python
+    t = min(step, decay_steps) / decay_steps
+    lr = (initial_learning_rate - end_learning_rate) * (1 - t) ** power
+         + end_learning_rate
+    ```
+
+    After `decay_steps` the learning rate stays at `end_learning_rate`.
+    Unlike `keras.optimizers.schedules.PolynomialDecay` the defaults are the
+    MLPerf LARS ones (`end_learning_rate=0.0`, `power=2.0`) and the result is
+    always float32.
+
+    Args:
+        initial_learning_rate: float >= 0, the learning rate at step 0.
+        decay_steps: int >= 1, the number of steps to decay over.
+        end_learning_rate: float >= 0, the final learning rate. Defaults to
+            `0.0`.
+        power: float > 0, the polynomial's power. Defaults to `2.0`.
+    """
+
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        end_learning_rate=0.0,
+        power=2.0,
+    ):
+        super().__init__()
+        self.initial_learning_rate = _check_float(
+            "initial_learning_rate", initial_learning_rate, "a number >= 0",
+            lambda v: v >= 0,
+        )
+        self.decay_steps = _check_int("decay_steps", decay_steps, 1)
+        self.end_learning_rate = _check_float(
+            "end_learning_rate", end_learning_rate, "a number >= 0",
+            lambda v: v >= 0,
+        )
+        self.power = _check_float(
+            "power", power, "a number > 0", lambda v: v > 0
+        )
+
+    def __call__(self, step):
+        step = ops.clip(_step_float(step), 0.0, float(self.decay_steps))
+        remaining = ops.subtract(1.0, ops.divide(step, float(self.decay_steps)))
+        decayed = ops.multiply(
+            self.initial_learning_rate - self.end_learning_rate,
+            ops.power(remaining, self.power),
+        )
+        return ops.cast(ops.add(decayed, self.end_learning_rate), "float32")
+
+    def get_config(self):
+        return {
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_steps": self.decay_steps,
+            "end_learning_rate": self.end_learning_rate,
+            "power": self.power,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
+class Warmup(LearningRateSchedule):
+    """Linear warmup in front of another schedule (gradual warmup).
+
+    ```python
+    target = after_warmup(warmup_steps)  # or the float `after_warmup`
+    if step < warmup_steps:
+        lr = initial_learning_rate
+             + (target - initial_learning_rate) * step / warmup_steps
+    else:
+        lr = after_warmup(step)
+    ```
+
+    `after_warmup` sees the unshifted step: its own step 0 is the start of
+    training, so a decay it describes already runs during the warmup (as in
+    tf-models-official's `LinearWarmup`). Use `WarmupPolynomialDecay` for a
+    decay that starts when the warmup ends. With the default
+    `initial_learning_rate=0.0` the first step has learning rate 0. Warmup
+    over epochs: `warmup_steps = epochs_to_steps(epochs, steps_per_epoch)`.
+
+    Args:
+        after_warmup: a `LearningRateSchedule` or a float >= 0: the learning
+            rate after the warmup.
+        warmup_steps: int >= 0, the length of the ramp in steps (0: no
+            warmup).
+        initial_learning_rate: float >= 0, the learning rate at step 0.
+            Defaults to `0.0`.
+
+    References:
+        - [Goyal et al., 2017. Accurate, Large Minibatch SGD: Training
+          ImageNet in 1 Hour](https://arxiv.org/abs/1706.02677)
+    """
+
+    def __init__(self, after_warmup, warmup_steps, initial_learning_rate=0.0):
+        super().__init__()
+        if isinstance(after_warmup, LearningRateSchedule):
+            self.after_warmup = after_warmup
+        else:
+            self.after_warmup = _check_float(
+                "after_warmup", after_warmup,
+                "a LearningRateSchedule or a number >= 0", lambda v: v >= 0,
+            )
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.initial_learning_rate = _check_float(
+            "initial_learning_rate", initial_learning_rate, "a number >= 0",
+            lambda v: v >= 0,
+        )
+
+    def _after(self, step):
+        if isinstance(self.after_warmup, LearningRateSchedule):
+            return ops.cast(self.after_warmup(step), "float32")
+        return ops.convert_to_tensor(self.after_warmup, "float32")
+
+    def __call__(self, step):
+        # `after_warmup` gets the step as given (it may compare it with
+        # integer boundaries, e.g. PiecewiseConstantDecay).
+        after = self._after(step)
+        if self.warmup_steps == 0:
+            return after
+        target = self._after(self.warmup_steps)
+        step = _step_float(step)
+        fraction = ops.divide(step, float(self.warmup_steps))
+        ramp = ops.add(
+            self.initial_learning_rate,
+            ops.multiply(ops.subtract(target, self.initial_learning_rate),
+                         fraction),
+        )
+        return ops.where(ops.less(step, float(self.warmup_steps)), ramp, after)
+
+    def get_config(self):
+        after_warmup = self.after_warmup
+        if isinstance(after_warmup, LearningRateSchedule):
+            after_warmup = keras.optimizers.schedules.serialize(after_warmup)
+        return {
+            "after_warmup": after_warmup,
+            "warmup_steps": self.warmup_steps,
+            "initial_learning_rate": self.initial_learning_rate,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config["after_warmup"], dict):
+            config["after_warmup"] = keras.optimizers.schedules.deserialize(
+                config["after_warmup"]
+            )
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
+class WarmupPolynomialDecay(LearningRateSchedule):
+    """Linear warmup to a peak, then polynomial decay to the end of training.
+
+    The MLPerf ResNet-50 LARS schedule (power 2). With `w = warmup_steps`,
+    `T = decay_steps` (the total number of training steps),
+    `lr0 = warmup_initial_learning_rate` and `peak = initial_learning_rate`:
+
+    ```python
+    if step < w:
+        lr = lr0 + (peak - lr0) * step / w
+    else:
+        t = min(step - w, T - w) / (T - w)
+        lr = (peak - end_learning_rate) * (1 - t) ** power + end_learning_rate
+    ```
+
+    So `lr = peak` at step `w` and `lr = end_learning_rate` from step `T`
+    on. (The MLPerf reference divides by `T - w + 1`, so it stops one step
+    short of `end_learning_rate`; the difference is below `2 / (T - w)` of
+    the peak.) Epochs: `warmup_steps = epochs_to_steps(warmup_epochs,
+    steps_per_epoch)`, `decay_steps = epochs_to_steps(epochs,
+    steps_per_epoch)`.
+
+    Args:
+        initial_learning_rate: float > 0, the peak learning rate, reached at
+            the end of the warmup (e.g. from `linear_scaling`).
+        decay_steps: int, the total number of training steps; must be
+            greater than `warmup_steps`.
+        warmup_steps: int >= 0, the length of the linear warmup.
+        end_learning_rate: float >= 0, the learning rate at `decay_steps`.
+            Defaults to `0.0`.
+        power: float > 0, the power of the decay. Defaults to `2.0`.
+        warmup_initial_learning_rate: float >= 0, the learning rate at step
+            0. Defaults to `0.0`.
+
+    References:
+        - [Goyal et al., 2017](https://arxiv.org/abs/1706.02677) (warmup)
+        - [Jia et al., 2018](https://arxiv.org/abs/1807.11205)
+        - MLPerf Training, ResNet-50 LARS reference (`lars_util.py`).
+    """
+
+    def __init__(
+        self,
+        initial_learning_rate,
+        decay_steps,
+        warmup_steps,
+        end_learning_rate=0.0,
+        power=2.0,
+        warmup_initial_learning_rate=0.0,
+    ):
+        super().__init__()
+        self.initial_learning_rate = _check_float(
+            "initial_learning_rate", initial_learning_rate, "a number > 0",
+            lambda v: v > 0,
+        )
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        if not (isinstance(decay_steps, numbers.Integral)
+                and not isinstance(decay_steps, bool)
+                and decay_steps > self.warmup_steps):
+            raise ValueError(
+                "`decay_steps` (the total number of steps) must be an integer "
+                f"greater than `warmup_steps` ({self.warmup_steps}). "
+                f"Received: decay_steps={decay_steps!r}"
+            )
+        self.decay_steps = int(decay_steps)
+        self.end_learning_rate = _check_float(
+            "end_learning_rate", end_learning_rate, "a number >= 0",
+            lambda v: v >= 0,
+        )
+        self.power = _check_float(
+            "power", power, "a number > 0", lambda v: v > 0
+        )
+        self.warmup_initial_learning_rate = _check_float(
+            "warmup_initial_learning_rate", warmup_initial_learning_rate,
+            "a number >= 0", lambda v: v >= 0,
+        )
+        decay = PolynomialDecay(
+            self.initial_learning_rate,
+            self.decay_steps - self.warmup_steps,
+            self.end_learning_rate,
+            self.power,
+        )
+        self._decay = decay
+
+    def __call__(self, step):
+        step = _step_float(step)
+        decayed = self._decay(
+            ops.maximum(ops.subtract(step, float(self.warmup_steps)), 0.0)
+        )
+        if self.warmup_steps == 0:
+            return decayed
+        lr0 = self.warmup_initial_learning_rate
+        ramp = ops.add(
+            lr0,
+            ops.multiply(
+                self.initial_learning_rate - lr0,
+                ops.divide(step, float(self.warmup_steps)),
+            ),
+        )
+        return ops.cast(
+            ops.where(ops.less(step, float(self.warmup_steps)), ramp, decayed),
+            "float32",
+        )
+
+    def get_config(self):
+        return {
+            "initial_learning_rate": self.initial_learning_rate,
+            "decay_steps": self.decay_steps,
+            "warmup_steps": self.warmup_steps,
+            "end_learning_rate": self.end_learning_rate,
+            "power": self.power,
+            "warmup_initial_learning_rate": self.warmup_initial_learning_rate,
+        }
+
+
+@keras.saving.register_keras_serializable(package="tfscale")
+class OneCycle(LearningRateSchedule):
+    """One-cycle policy: cosine warmup to a maximum, cosine annealing after.
+
+    Two cosine phases, as PyTorch's `OneCycleLR` (`anneal_strategy="cos"`,
+    `three_phase=False`, its defaults) and fastai's `fit_one_cycle`. With
+    `initial = max_learning_rate / div_factor`,
+    `minimum = initial / final_div_factor`, `p = pct_start * total_steps - 1`
+    and `T = total_steps - 1`:
+
+    ```python
+    def cos_anneal(start, end, pct):
+        return end + (start - end) / 2 * (1 + cos(pi * pct))
+    step = min(step, T)
+    if step <= p:
+        lr = cos_anneal(initial, max_learning_rate, step / p)
+    else:
+        lr = cos_anneal(max_learning_rate, minimum, (step - p) / (T - p))
+    ```
+
+    So `lr = initial` at step 0, `max_learning_rate` at step `p` and
+    `minimum` at step `T = total_steps - 1` and after (PyTorch raises past
+    `total_steps`; this schedule stays at `minimum`).
+
+    Args:
+        max_learning_rate: float > 0, the peak learning rate.
+        total_steps: int, the number of training steps.
+        pct_start: float in (0, 1), the fraction of the steps spent
+            increasing the learning rate; `pct_start * total_steps` must be
+            greater than 1. Defaults to `0.3`.
+        div_factor: float > 0, `initial = max_learning_rate / div_factor`.
+            Defaults to `25.0`.
+        final_div_factor: float > 0, `minimum = initial / final_div_factor`.
+            Defaults to `1e4`.
+
+    References:
+        - [Smith & Topin, 2017. Super-Convergence: Very Fast Training of
+          Neural Networks Using Large Learning Rates](
+          https://arxiv.org/abs/1708.07120)
+    """
+
+    def __init__(
+        self,
+        max_learning_rate,
+        total_steps,
+        pct_start=0.3,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    ):
+        super().__init__()
+        self.max_learning_rate = _check_float(
+            "max_learning_rate", max_learning_rate, "a number > 0",
+            lambda v: v > 0,
+        )
+        self.total_steps = _check_int("total_steps", total_steps, 2)
+        self.pct_start = _check_float(
+            "pct_start", pct_start, "a number in the open interval (0, 1)",
+            lambda v: 0 < v < 1,
+        )
+        if self.pct_start * self.total_steps <= 1:
+            raise ValueError(
+                "`pct_start * total_steps` must be > 1 so that the warmup "
+                "phase spans at least one step. Received: "
+                f"pct_start={pct_start!r}, total_steps={total_steps!r}"
+            )
+        self.div_factor = _check_float(
+            "div_factor", div_factor, "a number > 0", lambda v: v > 0
+        )
+        self.final_div_factor = _check_float(
+            "final_div_factor", final_div_factor, "a number > 0",
+            lambda v: v > 0,
+        )
+
+    @staticmethod
+    def _cos_anneal(start, end, pct):
+        cos_out = ops.add(ops.cos(ops.multiply(math.pi, pct)), 1.0)
+        return ops.add(end, ops.multiply((start - end) / 2.0, cos_out))
+
+    def __call__(self, step):
+        initial = self.max_learning_rate / self.div_factor
+        minimum = initial / self.final_div_factor
+        peak_step = self.pct_start * self.total_steps - 1.0
+        last_step = float(self.total_steps - 1)
+        step = ops.clip(_step_float(step), 0.0, last_step)
+        up = self._cos_anneal(
+            initial, self.max_learning_rate, ops.divide(step, peak_step)
+        )
+        down = self._cos_anneal(
+            self.max_learning_rate,
+            minimum,
+            ops.divide(ops.subtract(step, peak_step), last_step - peak_step),
+        )
+        return ops.cast(ops.where(ops.less_equal(step, peak_step), up, down),
+                        "float32")
+
+    def get_config(self):
+        return {
+            "max_learning_rate": self.max_learning_rate,
+            "total_steps": self.total_steps,
+            "pct_start": self.pct_start,
+            "div_factor": self.div_factor,
+            "final_div_factor": self.final_div_factor,
+        }
