@@ -49,6 +49,11 @@ flags.DEFINE_string(
     "Where the chief writes the SavedModel (uint8 images in, probabilities out).",
 )
 flags.DEFINE_enum(
+    "cluster_resolver", "tf_config", ["tf_config", "slurm"],
+    "Where the cluster comes from: TF_CONFIG (Kubernetes/Kubeflow TFJob, "
+    "tfscale-launch) or SLURM's environment (one task per worker, srun).",
+)
+flags.DEFINE_enum(
     "algorithm", "ring", ["ring"], "All-reduce algorithm (tfscale.CommunicationOptions)."
 )
 flags.DEFINE_integer(
@@ -109,7 +114,11 @@ def train():
     from tfscale import data
     from tfscale import export
 
+    resolver = None
+    if FLAGS.cluster_resolver == "slurm":
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
     strategy = tfscale.Strategy(
+        cluster_resolver=resolver,
         communication=tfscale.CommunicationOptions(
             algorithm=FLAGS.algorithm,
             fusion_threshold_bytes=FLAGS.fusion_threshold_bytes,

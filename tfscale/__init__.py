@@ -1,5 +1,15 @@
-"""tfscale: the large-batch training system of Jia et al. 2018 for Keras 3."""
+"""tfscale: the large-batch training system of Jia et al. 2018 for Keras 3.
 
+    strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(...))
+    with strategy.scope():
+        model.compile(optimizer=tfscale.optimizers.LARS(...), ...)
+    model.fit(...)
+"""
+
+from tfscale import callbacks
+from tfscale import data
+from tfscale import optimizers
+from tfscale import schedules
 from tfscale.strategy import CommunicationOptions
 from tfscale.strategy import Strategy
 

@@ -1,0 +1,53 @@
+"""Runs real worker processes on 127.0.0.1 for the multi-worker tests.
+
+A worker script (tests/workers/*.py) is started N times through
+`tfscale-launch`, each with its own TF_CONFIG; each worker writes what the test
+checks as JSON with `report(...)` (tests/workers/report.py).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    output: str  # the launcher's combined, worker-prefixed output
+    results: list  # one JSON value per worker (None where none was written)
+
+
+def run_workers(script, num_workers, tmp_path, args=(), timeout=300, env=None):
+    """Runs tests/workers/`script` as `num_workers` workers via tfscale-launch."""
+    results_dir = tmp_path / f"results-{script}-{num_workers}"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "launch.local",
+        f"--num_workers={num_workers}", f"--timeout={timeout}", "--",
+        sys.executable, os.path.join(WORKERS_DIR, script), *args,
+    ]
+    run_env = dict(os.environ, TFSCALE_TEST_RESULTS=str(results_dir),
+                   TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+    process = subprocess.run(
+        command, cwd=str(tmp_path), env=run_env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout + 60,
+    )
+    results = []
+    for index in range(num_workers):
+        path = results_dir / f"worker-{index}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return Run(process.returncode, process.stdout, results)
+
+
+def assert_succeeded(run):
+    assert run.returncode == 0, f"workers failed:\n{run.output[-6000:]}"
+    missing = [i for i, r in enumerate(run.results) if r is None]
+    assert not missing, f"workers {missing} wrote no result:\n{run.output[-6000:]}"

@@ -1,0 +1,84 @@
+"""tfscale-train end to end: real workers, chief-only progress, served export."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
+
+
+def run(command, cwd, timeout=400):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=400", "--",
+                   "tfscale-train", "--epochs=2", *SMALL,
+                   f"--export_dir={tmp / 'export'}"], cwd=tmp)
+    assert process.returncode == 0, process.stdout[-6000:]
+    return tmp, process.stdout
+
+
+def test_only_the_chief_reports_progress_each_epoch(trained):
+    _, output = trained
+    lines = output.splitlines()
+    epochs = [l for l in lines if "Epoch " in l and "/2" in l]
+    assert epochs and all(l.startswith("[worker 0]") for l in epochs)
+    per_epoch = [l for l in lines if "images_per_second" in l]
+    assert len(per_epoch) == 2 and all(l.startswith("[worker 0]") for l in per_epoch)
+    assert all(" loss: " in l and " accuracy: " in l for l in per_epoch)
+    assert "2 worker(s), global batch 32 (16 per worker)" in output
+
+
+def test_chief_exports_a_savedmodel_that_serves_raw_uint8_images(trained):
+    tmp, output = trained
+    assert f"Exported SavedModel to {tmp / 'export'}" in output
+    assert not [p for p in os.listdir(tmp) if ".partial-" in p or ".previous-" in p]
+    # A fresh process, without TF_CONFIG or tfscale: what a serving user does.
+    script = f"""
+import json, numpy as np, tensorflow as tf
+from sklearn.datasets import load_digits
+model = tf.saved_model.load({str(tmp / 'export')!r})
+serve = model.signatures["serving_default"]
+image = np.round(load_digits().images[:3] * 255 / 16).astype(np.uint8)[..., None]
+probabilities = serve(images=tf.constant(image))["probabilities"].numpy()
+spec = serve.structured_input_signature[1]["images"]
+print(json.dumps({{"shape": probabilities.shape, "sums": probabilities.sum(1).tolist(),
+                  "dtype": spec.dtype.name, "input": spec.shape.as_list()}}))
+"""
+    process = run([sys.executable, "-c", script], cwd=tmp)
+    assert process.returncode == 0, process.stdout
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    assert result["shape"] == [3, 10]
+    assert result["dtype"] == "uint8" and result["input"] == [None, 8, 8, 1]
+    assert all(abs(s - 1) < 1e-5 for s in result["sums"])
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--model=vgg", "--model='vgg' is unknown. Known: alexnet_bn, resnet50"),
+    ("--dataset=cifar", "--dataset='cifar' is unknown. Known: digits, imagenet, synthetic"),
+    ("--epochs=0", "--epochs must be >= 1, got 0."),
+])
+def test_bad_flags_are_refused_before_anything_is_written(tmp_path, flag, message):
+    process = run(["tfscale-train", flag, f"--export_dir={tmp_path / 'export'}"],
+                  cwd=tmp_path, timeout=120)
+    assert process.returncode != 0
+    assert message in process.stdout
+    assert not (tmp_path / "export").exists()
+
+
+def test_global_batch_the_workers_cannot_share_fails_every_worker(tmp_path):
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=200", "--",
+                   "tfscale-train", "--global_batch_size=33",
+                   f"--export_dir={tmp_path / 'export'}"], cwd=tmp_path, timeout=260)
+    assert process.returncode not in (0, 124)
+    assert "divisible by the number of workers (2)" in process.stdout
+    assert not (tmp_path / "export").exists()

@@ -1,0 +1,26 @@
+"""A worker for the launcher tests: prints its TF_CONFIG, then obeys argv.
+
+    launch_probe.py ok            exit 0
+    launch_probe.py fail INDEX    worker INDEX exits 3 at once, the others sleep
+    launch_probe.py sleep         every worker sleeps (for the timeout test),
+                                  each also starting a child that sleeps
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+config = json.loads(os.environ["TF_CONFIG"])
+index = config["task"]["index"]
+print(f"pid={os.getpid()} tf_config={json.dumps(config)}", flush=True)
+mode = sys.argv[1]
+if mode == "ok":
+    sys.exit(0)
+if mode == "fail" and index == int(sys.argv[2]):
+    print("failing on purpose", flush=True)
+    sys.exit(3)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(f"child={child.pid}", flush=True)
+time.sleep(600)

@@ -1,0 +1,19 @@
+"""What worker scripts use to hand results back to the test process."""
+
+import json
+import os
+
+
+def worker_index():
+    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    return config.get("task", {}).get("index", 0)
+
+
+def report(value):
+    """Writes `value` (JSON-serializable) as this worker's result."""
+    path = os.path.join(
+        os.environ["TFSCALE_TEST_RESULTS"], f"worker-{worker_index()}.json"
+    )
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
