@@ -7,10 +7,20 @@ port for every worker, as Kubernetes or SLURM would give one per machine. Each
 output line is prefixed with the worker's index. When a worker fails, the
 others are stopped and the launcher exits non-zero naming the failed worker;
 `--timeout` bounds the whole run.
+
+    tfscale-launch --num_workers=4 --emulate_nodes=2 --inter_node_rate=200mbit -- CMD
+
+With `--emulate_nodes=M` (root only) the workers are placed in M emulated
+nodes, consecutive workers per node, each node a network namespace with its
+own address; the link between nodes is rate-limited with `tc tbf`. TF_CONFIG
+then names each worker's node address, so TensorFlow's gRPC crosses the
+emulated links. See launch/netns.py.
 """
 
+import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +31,8 @@ import time
 from absl import app
 from absl import flags
 
+from launch import netns
+
 flags.DEFINE_integer("num_workers", 2, "Number of worker processes.", lower_bound=1)
 flags.DEFINE_float(
     "timeout", 0, "Stop every worker and fail after this many seconds; 0: no limit."
@@ -29,7 +41,54 @@ flags.DEFINE_float(
     "grace_seconds", 10,
     "When stopping workers: seconds between SIGTERM and SIGKILL.",
 )
+flags.DEFINE_integer(
+    "emulate_nodes", None,
+    "Place the workers in this many emulated nodes (network namespaces, one "
+    "address each, consecutive workers per node; must divide --num_workers). "
+    "Needs root and iproute2. Unset: every worker on 127.0.0.1.",
+)
+flags.DEFINE_string(
+    "inter_node_rate", None,
+    "With --emulate_nodes: rate of the link between nodes, in each direction, "
+    "as tc writes it (e.g. 200mbit, 1gbit). Unset: not limited.",
+)
+flags.DEFINE_string(
+    "inter_node_burst", netns.DEFAULT_BURST,
+    "With --inter_node_rate: tbf burst (bucket size, e.g. 256kb = kilobytes).",
+)
+flags.DEFINE_string(
+    "inter_node_latency", netns.DEFAULT_LATENCY,
+    "With --inter_node_rate: tbf latency (longest a packet may queue).",
+)
 FLAGS = flags.FLAGS
+
+
+def check_emulation_flags(num_workers, emulate_nodes, inter_node_rate,
+                          inter_node_burst, inter_node_latency):
+    """The reason the emulation flags are inconsistent, or None."""
+    if emulate_nodes is None:
+        if (inter_node_rate is not None or inter_node_burst != netns.DEFAULT_BURST
+                or inter_node_latency != netns.DEFAULT_LATENCY):
+            return "--inter_node_rate/--inter_node_burst/--inter_node_latency need --emulate_nodes"
+        return None
+    if not 1 <= emulate_nodes <= netns.MAX_NODES:
+        return (f"--emulate_nodes={emulate_nodes}: must be between 1 and "
+                f"{netns.MAX_NODES} (the number of emulated nodes)")
+    if num_workers % emulate_nodes:
+        return (f"--num_workers={num_workers} is not divisible by "
+                f"--emulate_nodes={emulate_nodes}: every emulated node runs the "
+                "same number of workers")
+    return None
+
+
+@flags.multi_flags_validator(
+    ["num_workers", "emulate_nodes", "inter_node_rate", "inter_node_burst",
+     "inter_node_latency"])
+def _validate_emulation_flags(values):
+    problem = check_emulation_flags(**values)
+    if problem:
+        raise flags.ValidationError(problem)
+    return True
 
 _POLL_SECONDS = 0.1
 
@@ -59,6 +118,14 @@ def tf_configs(addresses):
     ]
 
 
+def _die_with_launcher():
+    """Runs in each worker before exec: SIGKILL it if the launcher dies, so
+    even a launcher killed with SIGKILL leaves no orphaned workers (Linux)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _describe_exit(returncode):
     if returncode < 0:
         return f"was killed by {signal.Signals(-returncode).name}"
@@ -69,18 +136,20 @@ class Workers:
     """A group of worker processes, each in its own session (process group),
     so stopping a worker also stops whatever it started."""
 
-    def __init__(self, command, envs):
+    def __init__(self, command, envs, prefixes=None):
         self._lock = threading.Lock()
         self.processes = []
         self._printers = []
         for index, env in enumerate(envs):
+            prefix = list(prefixes[index]) if prefixes else []
             process = subprocess.Popen(
-                command,
+                prefix + list(command),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_launcher,
             )
             self.processes.append(process)
             printer = threading.Thread(
@@ -131,15 +200,75 @@ class Workers:
             printer.join(timeout=5)
 
 
-def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1"):
+def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
+           emulate_nodes=None, inter_node_rate=None,
+           inter_node_burst=netns.DEFAULT_BURST,
+           inter_node_latency=netns.DEFAULT_LATENCY):
     """Runs `command` as `num_workers` workers; returns the exit code."""
+    if emulate_nodes is not None:
+        return _launch_emulated(
+            command, num_workers, timeout, grace_seconds, emulate_nodes,
+            inter_node_rate, inter_node_burst, inter_node_latency,
+        )
     addresses = [f"{host}:{port}" for port in free_ports(host, num_workers)]
+    return _run_workers(command, addresses, timeout, grace_seconds)
+
+
+def _launch_emulated(command, num_workers, timeout, grace_seconds, num_nodes,
+                     rate, burst, latency):
+    """`launch` with the workers in emulated nodes (launch/netns.py)."""
+    problem = check_emulation_flags(num_workers, num_nodes, rate, burst, latency)
+    if problem:
+        print(f"tfscale-launch: {problem}", file=sys.stderr)
+        return 2
+    # `ip netns exec` would only report a missing command from inside each
+    # worker; say it once, as without --emulate_nodes, before making anything.
+    if shutil.which(command[0]) is None:
+        print(f"tfscale-launch: command not found: {command[0]!r}", file=sys.stderr)
+        return 127
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # Installed before the namespaces exist, so that SIGTERM at any point
+    # unwinds through EmulatedCluster.__exit__ instead of killing us mid-way.
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster = netns.EmulatedCluster(
+            num_nodes, num_workers // num_nodes, rate, burst, latency
+        )
+        with cluster:
+            if cluster.stale_removed:
+                print("tfscale-launch: removed network namespaces left by a dead "
+                      f"launcher: {' '.join(cluster.stale_removed)}", file=sys.stderr)
+            print(f"tfscale-launch: {cluster.describe()}", file=sys.stderr, flush=True)
+            return _run_workers(
+                command, [w.address for w in cluster.workers], timeout,
+                grace_seconds, prefixes=[w.prefix for w in cluster.workers],
+            )
+    except netns.EmulationError as error:
+        print(
+            f"tfscale-launch: cannot emulate nodes: {error}. Run without "
+            "--emulate_nodes to launch every worker on 127.0.0.1.",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt as interrupt:  # while making or removing namespaces
+        print(f"tfscale-launch: interrupted ({interrupt or 'SIGINT'}); "
+              "removed the emulated nodes.", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None):
+    """Runs one worker per address until all succeed, one fails or time is up."""
     envs = []
     for config in tf_configs(addresses):
         env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
         envs.append(env)
     try:
-        workers = Workers(command, envs)
+        workers = Workers(command, envs, prefixes)
     except FileNotFoundError:
         print(f"tfscale-launch: command not found: {command[0]!r}", file=sys.stderr)
         return 127
@@ -200,6 +329,10 @@ def main(argv):
             FLAGS.num_workers,
             timeout=FLAGS.timeout,
             grace_seconds=FLAGS.grace_seconds,
+            emulate_nodes=FLAGS.emulate_nodes,
+            inter_node_rate=FLAGS.inter_node_rate,
+            inter_node_burst=FLAGS.inter_node_burst,
+            inter_node_latency=FLAGS.inter_node_latency,
         )
     )
 

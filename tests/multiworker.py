@@ -51,3 +51,53 @@ def assert_succeeded(run):
     assert run.returncode == 0, f"workers failed:\n{run.output[-6000:]}"
     missing = [i for i, r in enumerate(run.results) if r is None]
     assert not missing, f"workers {missing} wrote no result:\n{run.output[-6000:]}"
+
+
+def worker_env(tmp_path, extra=None):
+    """Environment for a worker process started by a test."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+               TFSCALE_TEST_RESULTS=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
+    )
+    env.pop("TF_CONFIG", None)
+    env.update(extra or {})
+    return env
+
+
+def start_cluster(commands, tmp_path, extra_env=None):
+    """Starts one process per command, each with its TF_CONFIG, without the
+    launcher (so nothing stops the others when one fails).
+
+    Returns the Popen objects; each one's output goes to tmp_path/worker-I.log.
+    """
+    from launch import local
+
+    addresses = [f"127.0.0.1:{p}" for p in local.free_ports("127.0.0.1", len(commands))]
+    processes = []
+    for index, (command, config) in enumerate(zip(commands, local.tf_configs(addresses))):
+        log = open(tmp_path / f"worker-{index}.log", "w")
+        processes.append(subprocess.Popen(
+            command, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,
+            env=worker_env(tmp_path, dict(extra_env or {}, TF_CONFIG=config)),
+            start_new_session=True,
+        ))
+    return processes
+
+
+def pids_with_env(marker):
+    """Pids of live processes whose environment contains `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ and state != "Z":
+            pids.append(int(entry))
+    return pids

@@ -19,10 +19,6 @@ def runs(tmp_path_factory):
                           args=[f"--global_batch={GLOBAL_BATCH}"])
         assert_succeeded(run)
         runs[num_workers] = run.results
-    run = run_workers("fit_worker.py", 2, tmp_path,
-                      args=[f"--global_batch={GLOBAL_BATCH}", "--model=bn"])
-    assert_succeeded(run)
-    runs["bn"] = run.results
     return runs
 
 
@@ -73,12 +69,3 @@ def test_one_worker_needs_no_all_reduce(runs):
     # TensorFlow short-cuts reduces over a single replica.
     assert runs[1][0]["routed_batch_sizes"] == []
 
-
-def test_batch_norm_statistics_are_averaged_across_workers(runs):
-    # Each worker updates moving mean/variance from its own half of the batch;
-    # SyncBatchNormStatistics averages them after every epoch.
-    first, second = runs["bn"]
-    assert len(first["non_trainable"]) == 2
-    for a, b in zip(first["non_trainable"], second["non_trainable"]):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(flat(first["weights"]), flat(second["weights"]))

@@ -4,8 +4,9 @@ TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
 needs both. Those uses are confined to this module so that a TensorFlow or
 Keras upgrade has one place to check. They are tested against the versions
-pinned in setup.py; tests/test_tf_private.py fails loudly if a hook stops
-being called.
+pinned in setup.py; tests/test_strategy.py fails loudly if Keras stops routing
+gradients through the hook
+(test_gradients_are_routed_through_tfscale_cross_device_ops).
 """
 
 import keras
@@ -42,9 +43,13 @@ def check_versions():
 class CollectiveGroup:
     """This worker's handle on one group of workers that run collectives.
 
-    Every member must create the same groups in the same order and issue the
-    same collectives in the same order: instance keys are counted locally and
-    have to agree across workers.
+    Every member must create the same groups and issue the same collectives
+    on each group in the same order: instance keys are counted locally, per
+    group, and have to agree across members. All-reduces and all-gathers of
+    one group run in the order they were created (an ordering token chains
+    them); broadcasts take no token and run once their inputs are ready.
+    Collectives of different groups may run concurrently, which is what lets
+    the stages of hierarchical all-reduce overlap.
 
     Args:
         launcher: the `CollectiveReplicaLauncher` (private) that allocates
@@ -55,7 +60,9 @@ class CollectiveGroup:
 
     def __init__(self, launcher, timeout_seconds):
         self._launcher = launcher
+        self._timeout_seconds = timeout_seconds
         self._timeout = timeout_seconds or 0
+        self._subgroups = {}
 
     @property
     def size(self):
@@ -69,21 +76,116 @@ class CollectiveGroup:
     def device(self):
         return self._launcher._device
 
-    def _call_args(self):
-        return dict(
+    def subgroup(self, index, size):
+        """This worker's handle on sub-group number `index` of this group.
+
+        Each distinct set of members needs its own index; every member must
+        ask for it with the same index and size. Handles are created once and
+        reused: a new handle would restart the group's instance keys.
+
+        Args:
+            index: an integer >= 1, numbering the cluster's sub-groups (see
+                `tfscale.collectives.topology.subgroup_indices`).
+            size: number of workers in the sub-group.
+
+        Returns:
+            A `CollectiveGroup` whose group key is `_SUBGROUP_KEY_BASE + index`.
+        """
+        if index in self._subgroups:
+            group = self._subgroups[index]
+            if group.size != size:
+                raise ValueError(
+                    f"Sub-group {index} has {group.size} workers; it cannot "
+                    f"be reused with size={size}."
+                )
+            return group
+        key = _SUBGROUP_KEY_BASE + index
+        # A CollectiveKeys of its own whose first group key is `key`: it
+        # registers the key for this device and counts its instance keys.
+        keys = cross_device_utils.CollectiveKeys(group_key_start=key)
+        assert keys.get_group_key([self.device]) == key
+        launcher = cross_device_utils.CollectiveReplicaLauncher(
+            key, size, keys, self.device, self._launcher._options
+        )
+        group = CollectiveGroup(launcher, self._timeout_seconds)
+        self._subgroups[index] = group
+        return group
+
+    def _call_args(self, ordered=True):
+        args = dict(
             group_size=self.size,
             group_key=self.key,
             instance_key=self._launcher._next_instance_key(),
             timeout=self._timeout,
-            ordering_token=self._launcher._get_ordering_token(),
         )
+        if ordered:
+            args["ordering_token"] = self._launcher._get_ordering_token()
+        return args
 
-    def all_reduce(self, tensor):
-        """Element-wise sum of `tensor` over the group (ring on CPU)."""
+    def all_reduce(self, tensor, merge_op="Add"):
+        """Element-wise sum (or `merge_op="Max"`) of `tensor` over the group.
+
+        Ring on CPU. float32, float16, bfloat16, float64, int32 and int64 are
+        supported.
+        """
         with tf.device(self.device):
             return collective_ops.all_reduce_v2(
-                tensor, communication_hint="ring", **self._call_args()
+                tensor, merge_op=merge_op, communication_hint="ring",
+                **self._call_args(),
             )
+
+    def all_gather(self, tensor):
+        """Concatenates every member's `tensor` along axis 0.
+
+        Members are ordered by TensorFlow's device-name ranking, which need
+        not be the order of their ranks: callers that care must tag the
+        pieces (see `algorithms.two_d_all_reduce`).
+        """
+        with tf.device(self.device):
+            wire, dtype = _as_copyable(tensor)
+            gathered = collective_ops.all_gather_v2(
+                wire, communication_hint="ring", **self._call_args()
+            )
+            return tf.bitcast(gathered, dtype) if wire.dtype != dtype else gathered
+
+    def broadcast_send(self, tensor):
+        """Sends `tensor` to every other member; returns `tensor`.
+
+        Use the returned tensor: broadcast ops are exempt from the automatic
+        control dependencies of `tf.function`, so a send whose result nothing
+        uses is pruned and its receivers wait forever.
+        """
+        with tf.device(self.device):
+            wire, _ = _as_copyable(tensor)
+            sent = collective_ops.broadcast_send_v2(
+                wire, communication_hint="auto", **self._call_args(ordered=False)
+            )
+            with tf.control_dependencies([sent]):
+                return tf.identity(tensor)
+
+    def broadcast_recv(self, shape, dtype):
+        """Receives what the group's sender passes to `broadcast_send`."""
+        dtype = tf.as_dtype(dtype)
+        wire_dtype = _COPY_AS.get(dtype, dtype)
+        with tf.device(self.device):
+            received = collective_ops.broadcast_recv_v2(
+                shape, wire_dtype, communication_hint="auto",
+                **self._call_args(ordered=False),
+            )
+            return tf.bitcast(received, dtype) if wire_dtype != dtype else received
+
+
+# Broadcast and all-gather only copy bytes, but their kernels list the dtypes
+# they accept and bfloat16 is not among them: send its bits as float16.
+_COPY_AS = {tf.bfloat16: tf.float16}
+
+
+def _as_copyable(tensor):
+    """`(tensor bitcast to a dtype the copy kernels take, original dtype)`."""
+    dtype = tensor.dtype
+    if dtype in _COPY_AS:
+        return tf.bitcast(tensor, _COPY_AS[dtype]), dtype
+    return tensor, dtype
 
 
 class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):

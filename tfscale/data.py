@@ -13,6 +13,7 @@ whatever the number of workers.
 """
 
 import dataclasses
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -124,20 +125,21 @@ def num_examples(name, split, data_dir=None):
 
 
 def load(name, split, global_batch_size, image_size=None, *, training=None,
-         input_context=None, seed=0, data_dir=None, manual_dir=None):
+         input_context=None, seed=0, start_step=0, data_dir=None, manual_dir=None):
     """The pipeline of data set `name`; see `digits`, `synthetic`, `imagenet`."""
     spec(name)
     kwargs = dict(input_context=input_context, seed=seed)
-    if name == "digits":
-        return digits(split, global_batch_size, image_size, training=training, **kwargs)
-    if name == "synthetic":
+    if name == "synthetic":  # every batch is the same: no position to skip to
         return synthetic(global_batch_size, image_size, **kwargs)
-    return imagenet(split, global_batch_size, image_size, training=training,
+    kwargs.update(training=training, start_step=start_step)
+    if name == "digits":
+        return digits(split, global_batch_size, image_size, **kwargs)
+    return imagenet(split, global_batch_size, image_size,
                     data_dir=data_dir, manual_dir=manual_dir, **kwargs)
 
 
 def digits(split, global_batch_size, image_size=None, *, training=None,
-           input_context=None, seed=0):
+           input_context=None, seed=0, start_step=0):
     """scikit-learn's handwritten digits: real data, bundled, no download.
 
     Args:
@@ -148,12 +150,14 @@ def digits(split, global_batch_size, image_size=None, *, training=None,
             otherwise one pass over the largest multiple of the global batch.
         input_context: this worker's `tf.distribute.InputContext`.
         seed: shuffle seed; must be the same on every worker.
+        start_step: training batches to skip: where a resumed run continues
+            (the stream is the same for the same seed).
     """
     images, labels = digits_arrays(split)
     source = tf.data.Dataset.from_tensor_slices((images, labels))
     return _batched(
         source, len(labels), SPECS["digits"], split, global_batch_size,
-        image_size, training, input_context, seed,
+        image_size, training, input_context, seed, start_step,
     )
 
 
@@ -175,7 +179,8 @@ def synthetic(global_batch_size, image_size=None, *, input_context=None, seed=0,
 
 
 def imagenet(split, global_batch_size, image_size=None, *, training=None,
-             data_dir=None, manual_dir=None, input_context=None, seed=0):
+             data_dir=None, manual_dir=None, input_context=None, seed=0,
+             start_step=0):
     """ImageNet (ILSVRC2012) through tensorflow-datasets, from a manual_dir.
 
     ImageNet cannot be downloaded automatically: place ILSVRC2012_img_train.tar
@@ -215,15 +220,12 @@ def imagenet(split, global_batch_size, image_size=None, *, training=None,
             },
         )
     except AssertionError as error:  # tfds's way of saying files are missing
-        raise FileNotFoundError(
-            "ImageNet is not prepared and its archives were not found: place "
-            "ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar in "
-            f"--manual_dir (received manual_dir={manual_dir!r}, "
-            f"data_dir={data_dir!r}). tensorflow-datasets said: {error}"
-        ) from error
+        raise _imagenet_missing(data_dir, manual_dir, f" ({error})") from error
     batch = global_batch_size // num_workers
     if training:
         source = source.shuffle(16 * batch, seed=seed).repeat()
+        # Resuming reads past what was trained on (decoding, not augmenting).
+        source = source.skip(start_step * batch)
         crop = _random_resized_crop_fn(image_size)
 
         def transform(image, label):
@@ -234,6 +236,37 @@ def imagenet(split, global_batch_size, image_size=None, *, training=None,
     source = source.map(transform, num_parallel_calls=tf.data.AUTOTUNE)
     source = source.batch(batch, drop_remainder=True)
     return source.prefetch(tf.data.AUTOTUNE)
+
+
+_IMAGENET_ARCHIVES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
+
+
+def _imagenet_missing(data_dir, manual_dir, detail=""):
+    return FileNotFoundError(
+        "ImageNet is not prepared and its archives were not found: place "
+        f"{' and '.join(_IMAGENET_ARCHIVES)} in --manual_dir (received "
+        f"manual_dir={manual_dir!r}, data_dir={data_dir!r}){detail}."
+    )
+
+
+def check_imagenet_source(data_dir=None, manual_dir=None):
+    """Raises FileNotFoundError unless ImageNet is prepared or can be.
+
+    Cheap enough to run before anything starts: it only looks for the
+    prepared data set in `data_dir` and for the archives in `manual_dir`.
+    """
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder("imagenet2012", data_dir=data_dir)
+    if tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json")):
+        return
+    # builder.data_dir is <root>/imagenet2012/<version>; tfds's default
+    # manual_dir is <root>/downloads/manual.
+    root = os.path.dirname(os.path.dirname(builder.data_dir))
+    manual_dir_used = manual_dir or os.path.join(root, "downloads", "manual")
+    if not all(tf.io.gfile.exists(os.path.join(manual_dir_used, name))
+               for name in _IMAGENET_ARCHIVES):
+        raise _imagenet_missing(data_dir, manual_dir_used)
 
 
 # Split sizes of ILSVRC2012 as tensorflow-datasets prepares it.
@@ -270,7 +303,7 @@ def digits_arrays(split):
 
 
 def _batched(source, count, dataset_spec, split, global_batch_size, image_size,
-             training, input_context, seed):
+             training, input_context, seed, start_step):
     """Shuffles, shards round-robin, batches and preprocesses an in-memory split."""
     image_size = image_size or dataset_spec.default_image_size
     training = (split == "train") if training is None else training
@@ -288,6 +321,8 @@ def _batched(source, count, dataset_spec, split, global_batch_size, image_size,
         source = source.take(count - count % global_batch_size)
     source = source.shard(num_workers, worker)
     source = source.batch(global_batch_size // num_workers, drop_remainder=True)
+    if training:
+        source = source.skip(start_step)  # before preprocessing: cheap
     source = source.map(
         lambda x, y: (preprocess(x, dataset_spec, image_size), y),
         num_parallel_calls=tf.data.AUTOTUNE,

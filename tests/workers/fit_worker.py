@@ -17,6 +17,7 @@ from report import report
 flags.DEFINE_enum("model", "dense", ["dense", "bn"], "Model to train.")
 flags.DEFINE_integer("steps", 6, "Training steps.")
 flags.DEFINE_integer("global_batch", 16, "Global batch size.")
+flags.DEFINE_bool("sync_bn", True, "With --model=bn: average BN statistics.")
 FLAGS = flags.FLAGS
 
 NUM_EXAMPLES = 96
@@ -59,7 +60,7 @@ def main(argv):
         )
     data = strategy.distribute_datasets_from_function(dataset_fn)
     callbacks = []
-    if FLAGS.model == "bn":
+    if FLAGS.model == "bn" and FLAGS.sync_bn:
         callbacks.append(tfscale.callbacks.SyncBatchNormStatistics(strategy))
     history = model.fit(data, epochs=2, steps_per_epoch=FLAGS.steps // 2,
                         callbacks=callbacks, verbose=0)

@@ -1,16 +1,178 @@
 """All-reduce algorithms: pure functions of a 1-D buffer and collective groups.
 
-Each function takes this worker's part and returns the element-wise sum over
-all workers. The docstring of each states the topology it assumes.
+Each function takes this worker's buffer and returns the element-wise sum over
+all workers. The docstring of each states the topology it assumes. They only
+issue collectives through the `CollectiveGroup` handles in `Groups`, and every
+member of a group issues that group's collectives in the same order, whatever
+its place in the topology.
+
+Stages on different groups run concurrently (each group orders only its own
+collectives). The hierarchical algorithms split a buffer into `num_chunks`
+chunks, each its own chain of stages, so that chunk i crosses between nodes
+while chunk i + 1 is reduced inside the node: a pipeline.
 """
 
+import dataclasses
 
-def ring_all_reduce(buffer, world):
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """This worker's collective groups for one topology.
+
+    Attributes:
+        world: all workers.
+        intra_in: this node's workers, for the first stage; `None` in a node
+            of one worker.
+        intra_out: the same workers under another group key, for the last
+            stage; `None` in a node of one worker.
+        cross: the workers with this worker's local rank in every node (for
+            local rank 0: the node leaders); `None` if no other node has one.
+        local_rank: this worker's index in its node (0: the leader).
+        local_size: number of workers in this worker's node.
+    """
+
+    world: object
+    intra_in: object = None
+    intra_out: object = None
+    cross: object = None
+    local_rank: int = 0
+    local_size: int = 1
+
+
+def ring_all_reduce(buffer, groups, num_chunks=1):
     """Flat ring all-reduce over every worker.
 
-    Topology: none assumed; one ring through all workers in `world` (TF's
-    collective executor on CPU runs a ring: 2(n-1) steps, each moving 1/n of
-    the buffer). Bandwidth-optimal, but its 2(n-1) latency steps dominate for
-    small buffers on many workers.
+    Topology: none assumed; one ring through all workers (TF's collective
+    executor on CPU runs a ring: 2(n-1) steps, each moving 1/n of the buffer).
+    Bandwidth-optimal, but its 2(n-1) latency steps dominate for small
+    buffers on many workers, and each of them crosses the slowest link.
+
+    Args:
+        buffer: 1-D tensor.
+        groups: `Groups`; only `world` is used.
+        num_chunks: ignored (the ring pipelines internally).
     """
-    return world.all_reduce(buffer)
+    del num_chunks
+    return groups.world.all_reduce(buffer)
+
+
+def hierarchical_all_reduce(buffer, groups, num_chunks=1):
+    """Reduce within each node, all-reduce among node leaders, broadcast back.
+
+    Topology: workers partitioned into nodes of any sizes (unequal sizes
+    work); local rank 0 of each node is its leader. Latency steps:
+    2(k-1) + 2(m-1) + ceil(log2 k) for m nodes of k, against 2(mk-1) for a
+    flat ring; only leaders send across nodes, 2(m-1)/m of the buffer each.
+
+    The reduce to the leader is an all-reduce within the node: TensorFlow has
+    no reduce-to-one collective on CPU (nor reduce-scatter). A ring
+    all-reduce sends 2(k-1)/k of the buffer per worker, at most twice what a
+    ring reduce would, over the fast links inside the node. Only the leader
+    uses the node sum; the others receive the total from it.
+
+    Args:
+        buffer: 1-D tensor with a static length when `num_chunks > 1`.
+        groups: `Groups` with `intra_in`/`intra_out` (unless the node has one
+            worker) and, on leaders, `cross` (unless there is one node).
+        num_chunks: number of independent chains to split the buffer into.
+
+    Returns:
+        The sum over all workers, same shape and dtype as `buffer`.
+    """
+    results = []
+    for chunk in _split(buffer, num_chunks):
+        node_sum = chunk
+        if groups.intra_in is not None:
+            node_sum = groups.intra_in.all_reduce(chunk)
+        if groups.local_rank == 0:
+            total = node_sum
+            if groups.cross is not None:
+                total = groups.cross.all_reduce(node_sum)
+            if groups.intra_out is not None:
+                total = groups.intra_out.broadcast_send(total)
+        else:
+            # The node sum is unused here, but its all-reduce must run: the
+            # leader waits for this worker's share.
+            with tf.control_dependencies([node_sum]):
+                total = groups.intra_out.broadcast_recv(tf.shape(chunk), chunk.dtype)
+        results.append(total)
+    return results[0] if len(results) == 1 else tf.concat(results, axis=0)
+
+
+def two_d_all_reduce(buffer, groups, num_chunks=1):
+    """2D all-reduce: within nodes, then between nodes shard by shard.
+
+    Topology: m nodes of exactly k workers each (a k x m torus: rows are
+    nodes, columns the workers with the same local rank). Stages:
+    all-reduce within the node; each worker all-reduces its 1/k shard of the
+    node sum with the workers of its column (k rings between nodes in
+    parallel, each moving 1/k of the buffer); all-gather of the shards within
+    the node. The link out of a node carries as much as the hierarchical
+    algorithm's, but every worker drives it, and the last stage is an
+    all-gather ((k-1)/k of the buffer) instead of a broadcast.
+
+    The first stage is an all-reduce, not a reduce-scatter: TensorFlow has no
+    CPU kernel for CollectiveReduceScatterV2.
+
+    Args:
+        buffer: 1-D tensor with a static length.
+        groups: `Groups` with `intra_in`, `intra_out` and `cross` (`cross`
+            may be `None` with one node).
+        num_chunks: number of independent chains to split the buffer into.
+
+    Returns:
+        The sum over all workers, same shape and dtype as `buffer`.
+    """
+    k = groups.local_size
+    length = buffer.shape.num_elements()
+    if length is None:
+        raise ValueError(
+            "two_d_all_reduce needs a buffer of static length. "
+            f"Received: buffer with shape {buffer.shape}"
+        )
+    # Pad so that every chunk splits into k equal shards.
+    padded = -(-length // (k * num_chunks)) * k * num_chunks
+    if padded != length:
+        buffer = tf.concat([buffer, tf.zeros([padded - length], buffer.dtype)], 0)
+    results = []
+    for chunk in _split(buffer, num_chunks):
+        node_sum = groups.intra_in.all_reduce(chunk)
+        shard = tf.reshape(node_sum, [k, -1])[groups.local_rank]
+        if groups.cross is not None:
+            shard = groups.cross.all_reduce(shard)
+        # All-gather concatenates in TensorFlow's ranking of the members'
+        # device names, which need not be local-rank order (names compared
+        # as strings put "task:10" before "task:2"): tag each shard with its
+        # local rank and put the shards back in order.
+        tag = tf.constant([groups.local_rank], dtype=shard.dtype)
+        gathered = groups.intra_out.all_gather(tf.concat([shard, tag], 0))
+        rows = tf.reshape(gathered, [k, -1])
+        order = tf.math.invert_permutation(tf.cast(rows[:, -1], tf.int32))
+        results.append(tf.reshape(tf.gather(rows[:, :-1], order), [-1]))
+    total = results[0] if len(results) == 1 else tf.concat(results, axis=0)
+    return total[:length] if padded != length else total
+
+
+def _split(buffer, num_chunks):
+    """`num_chunks` consecutive pieces of nearly equal length."""
+    if num_chunks == 1:
+        return [buffer]
+    length = buffer.shape.num_elements()
+    if length is None:
+        raise ValueError(
+            "A buffer split into chunks needs a static length. "
+            f"Received: buffer with shape {buffer.shape}, num_chunks={num_chunks}"
+        )
+    base, extra = divmod(length, num_chunks)
+    sizes = [base + (1 if i < extra else 0) for i in range(num_chunks)]
+    return tf.split(buffer, [s for s in sizes if s], axis=0)
+
+
+# Name -> function; "hybrid" is a choice between two of these per buffer.
+ALGORITHMS = {
+    "ring": ring_all_reduce,
+    "hierarchical": hierarchical_all_reduce,
+    "2d": two_d_all_reduce,
+}

@@ -1,0 +1,107 @@
+r"""Training speed per --precision on this machine, one process, synthetic data.
+
+    python -m launch.precision_speed --model=resnet50 --image_size=224 \
+        --batch_size=8 --steps=8
+    python -m launch.precision_speed --model=alexnet_bn --image_size=227 \
+        --batch_size=32 --steps=8
+
+Each precision trains the same model (built under that dtype policy, SGD
+with momentum) on one repeated random batch; rounds alternate between the
+precisions so that drifting load on a shared machine hits all of them. The
+first --warmup_steps of each run (graph building, first-step allocation) are
+not timed. Prints the median step time and images/s per precision and the
+speed-up over the first precision.
+"""
+
+import statistics
+import time
+
+import keras
+import tensorflow as tf
+from absl import app
+from absl import flags
+
+import models
+
+flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn"], "Model.")
+flags.DEFINE_integer("image_size", 224, "Side of the square input.")
+flags.DEFINE_integer("batch_size", 8, "Examples per step.")
+flags.DEFINE_integer("steps", 8, "Timed steps per run.", lower_bound=1)
+flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per run.", lower_bound=1)
+flags.DEFINE_integer("rounds", 2, "Runs per precision, alternating.",
+                     lower_bound=1)
+flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
+                  "Keras dtype policies to compare.")
+flags.DEFINE_integer("fc_units", 4096, "alexnet_bn's fully connected width.")
+flags.DEFINE_integer("num_classes", 1000, "Output classes.")
+FLAGS = flags.FLAGS
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Records the wall time of each training step."""
+
+    def on_train_begin(self, logs=None):
+        self.times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def time_steps(precision):
+    """Seconds per timed step for one run under `precision`."""
+    keras.mixed_precision.set_global_policy(precision)
+    keras.utils.set_random_seed(0)
+    options = {"fc_units": FLAGS.fc_units} if FLAGS.model == "alexnet_bn" else {}
+    model = models.get(
+        FLAGS.model, num_classes=FLAGS.num_classes,
+        input_shape=(FLAGS.image_size, FLAGS.image_size, 3), **options)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    generator = tf.random.Generator.from_seed(0)
+    images = generator.normal(
+        [FLAGS.batch_size, FLAGS.image_size, FLAGS.image_size, 3])
+    labels = generator.uniform([FLAGS.batch_size], maxval=FLAGS.num_classes,
+                               dtype=tf.int64)
+    data = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    timer = StepTimer()
+    model.fit(data, epochs=1, steps_per_epoch=FLAGS.warmup_steps + FLAGS.steps,
+              callbacks=[timer], verbose=0)
+    keras.backend.clear_session()
+    return timer.times[FLAGS.warmup_steps:]
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    times = {precision: [] for precision in FLAGS.precisions}
+    for round_index in range(FLAGS.rounds):
+        for precision in FLAGS.precisions:
+            run_times = time_steps(precision)
+            times[precision] += run_times
+            print(f"round {round_index + 1}, {precision}: median "
+                  f"{statistics.median(run_times):.3f} s/step", flush=True)
+    first = FLAGS.precisions[0]
+    base = statistics.median(times[first])
+    print(f"{FLAGS.model}, {FLAGS.image_size}x{FLAGS.image_size}, batch "
+          f"{FLAGS.batch_size}, {FLAGS.rounds} x {FLAGS.steps} timed steps "
+          "per precision:")
+    for precision in FLAGS.precisions:
+        step = statistics.median(times[precision])
+        print(f"  {precision:15s} median {step:.3f} s/step "
+              f"(min {min(times[precision]):.3f}, max "
+              f"{max(times[precision]):.3f}), "
+              f"{FLAGS.batch_size / step:.1f} images/s, "
+              f"{base / step:.2f}x {first}", flush=True)
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,6 @@
+"""Makes the shared test helpers (multiworker.py) importable from subfolders."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,85 @@
+"""A worker killed mid-epoch: no hang, a named failure, no orphans."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from multiworker import pids_with_env
+from multiworker import start_cluster
+from multiworker import worker_env
+
+TRAIN = ["tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=50",
+         "--steps_per_epoch=20", "--collective_timeout=30", "--export_dir="]
+
+
+def wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def training_started(log_path):
+    return lambda: log_path.exists() and "Epoch 1/" in log_path.read_text()
+
+
+def worker_pid(marker, index):
+    for pid in pids_with_env(marker):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f'"index": {index}}}'.encode() in f.read():
+                return pid
+    return None
+
+
+def test_launcher_names_the_killed_worker_and_leaves_no_orphans(tmp_path):
+    marker = f"TFSCALE_RUN={uuid.uuid4().hex}"
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            ["tfscale-launch", "--num_workers=2", "--timeout=300", "--", *TRAIN],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+            env=worker_env(tmp_path, dict([marker.split("=")])),
+        )
+        wait_for(training_started(log), 240, "training to start")
+        os.kill(worker_pid(marker, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        launcher.wait(timeout=120)
+    assert launcher.returncode != 0
+    assert time.monotonic() - killed_at < 60
+    assert "tfscale-launch: worker 1 was killed by SIGKILL" in log.read_text()
+    wait_for(lambda: not pids_with_env(marker), 10, "no process of the run left")
+
+
+@pytest.mark.parametrize("failure", ["SIGKILL", "SIGSTOP"])
+def test_peers_stop_on_their_own_within_the_collective_timeout(tmp_path, failure):
+    # Without the launcher, nothing stops the survivor but tfscale itself: a
+    # dead peer (connection refused) or a hung one (SIGSTOP: the connection
+    # stays open and nothing answers, so only the collective timeout helps).
+    marker = f"TFSCALE_RUN={uuid.uuid4().hex}"
+    processes = start_cluster([TRAIN, TRAIN], tmp_path, dict([marker.split("=")]))
+    try:
+        wait_for(training_started(tmp_path / "worker-0.log"), 240, "training to start")
+        victim = processes[1]
+        os.kill(victim.pid, getattr(signal, failure))
+        start = time.monotonic()
+        survivor = processes[0]
+        survivor.wait(timeout=30 + 90)  # the collective timeout, plus slack
+        elapsed = time.monotonic() - start
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    output = (tmp_path / "worker-0.log").read_text()
+    assert survivor.returncode != 0, output[-3000:]
+    assert "tfscale-train: Lost contact with" in output, output[-3000:]
+    assert "--collective_timeout=30 s" in output
+    print(f"{failure}: survivor exited {elapsed:.1f} s after the failure")

@@ -1,0 +1,89 @@
+"""tfscale.CommunicationOptions: defaults, validation, config round trip."""
+
+import re
+
+import pytest
+
+import tfscale
+from tfscale.collectives import cost_model
+
+Options = tfscale.CommunicationOptions
+
+
+def test_defaults():
+    assert Options().get_config() == {
+        "algorithm": "hybrid",
+        "fusion_threshold_bytes": 32 * 1024 * 1024,
+        "hybrid_threshold_bytes": None,
+        "local_size": None,
+        "compression": None,
+        "timeout_seconds": 300,
+        "cost_model": None,
+    }
+
+
+def test_every_algorithm_and_compression_is_accepted():
+    for algorithm in ("ring", "hierarchical", "2d", "hybrid"):
+        assert Options(algorithm=algorithm).algorithm == algorithm
+    for compression in (None, "bfloat16", "float16"):
+        assert Options(compression=compression).compression == compression
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"algorithm": "tree"},
+     "Argument `algorithm` must be one of ['ring', 'hierarchical', '2d', 'hybrid']. "
+     "Received: algorithm='tree'"),
+    ({"fusion_threshold_bytes": -1},
+     "Argument `fusion_threshold_bytes` must be an integer >= 0. "
+     "Received: fusion_threshold_bytes=-1"),
+    ({"fusion_threshold_bytes": 1.5e6},
+     "Argument `fusion_threshold_bytes` must be an integer >= 0. "
+     "Received: fusion_threshold_bytes=1500000.0"),
+    ({"hybrid_threshold_bytes": -5},
+     "Argument `hybrid_threshold_bytes` must be an integer >= 0, or None to take "
+     "it from the cost model. Received: hybrid_threshold_bytes=-5"),
+    ({"algorithm": "ring", "hybrid_threshold_bytes": 1024},
+     "Argument `hybrid_threshold_bytes` only applies to algorithm='hybrid'; this "
+     "is algorithm='ring'. Received: hybrid_threshold_bytes=1024"),
+    ({"local_size": 0},
+     "Argument `local_size` must be an integer >= 1 (workers per node), or None "
+     "to group workers by host. Received: local_size=0"),
+    ({"local_size": True},
+     "Received: local_size=True"),
+    ({"compression": "int8"},
+     "Argument `compression` must be None or one of ['bfloat16', 'float16']. "
+     "Received: compression='int8'"),
+    ({"timeout_seconds": 0},
+     "Argument `timeout_seconds` must be a number > 0, or None to wait forever. "
+     "Received: timeout_seconds=0"),
+])
+def test_bad_values_name_the_argument_and_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Options(**kwargs)
+
+
+def test_cost_model_must_be_a_cost_model():
+    with pytest.raises(TypeError, match=re.escape(
+            "Argument `cost_model` must be a `tfscale.collectives.cost_model.CostModel` "
+            "or None. Received: cost_model={'intra': 1}")):
+        Options(cost_model={"intra": 1})
+
+
+def test_config_round_trip():
+    model = cost_model.CostModel(intra=cost_model.Link(1e-5, 1e-9),
+                                 inter=cost_model.Link(1e-4, 1e-8))
+    options = Options(algorithm="hybrid", fusion_threshold_bytes=4096,
+                      hybrid_threshold_bytes=1 << 20, local_size=8,
+                      compression="bfloat16", timeout_seconds=None,
+                      cost_model=model)
+    restored = Options.from_config(options.get_config())
+    assert restored == options
+    assert restored.cost_model == model
+    assert Options.from_config(Options().get_config()) == Options()
+
+
+def test_repr_shows_every_argument():
+    assert repr(Options(algorithm="2d", local_size=2)) == (
+        "CommunicationOptions(algorithm='2d', fusion_threshold_bytes=33554432, "
+        "hybrid_threshold_bytes=None, local_size=2, compression=None, "
+        "timeout_seconds=300, cost_model=None)")

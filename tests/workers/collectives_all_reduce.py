@@ -1,0 +1,131 @@
+"""All-reduces known tensors with every algorithm and reports inputs and sums.
+
+One `tfscale.Strategy` per process (MWMS starts its server once); every
+algorithm runs on its collective groups, built from the topology the Strategy
+resolved, inside `tf.function`s as in training. The test sums the reported
+inputs in float64 and compares.
+
+Flags: --local_size (workers per node).
+"""
+
+import numpy as np
+import tensorflow as tf
+from absl import app
+from absl import flags
+
+import tfscale
+from report import report
+from tfscale import collectives
+from tfscale.collectives import algorithms
+
+flags.DEFINE_integer("local_size", 2, "Workers per node.")
+FLAGS = flags.FLAGS
+
+# Shapes as a model's gradients come: matrices, vectors, a scalar, one big
+# enough to be split into chunks. Forward order.
+SHAPES = [(3, 4), (5,), (), (7, 7, 3), (1000,), (33,)]
+# Small buckets, so that each algorithm runs on several fused buffers.
+FUSION_BYTES = 512
+# "hybrid" with this threshold sends the small buckets hierarchically and
+# the 1000-element one (4,000 bytes) by ring.
+HYBRID_BYTES = 2048
+# Odd length: chunks and 2d shards need padding.
+BUFFER_LENGTH = 1001
+
+
+def integer_tensors(rank):
+    """Integer-valued float32 (exact sums expected) and int32 tensors."""
+    rng = np.random.default_rng(100 + rank)
+    floats = [rng.integers(-1000, 1000, s).astype(np.float32) for s in SHAPES]
+    ints = [rng.integers(-1000, 1000, (6,)).astype(np.int32)]
+    return floats + ints
+
+
+def real_tensors(rank):
+    """Non-integer float32 tensors of mixed magnitudes."""
+    rng = np.random.default_rng(200 + rank)
+    return [
+        (rng.normal(size=s) * 10.0 ** rng.integers(-6, 3, s)).astype(np.float32)
+        for s in SHAPES
+    ]
+
+
+def to_json(arrays):
+    return [np.asarray(a).astype(np.float64).ravel().tolist() for a in arrays]
+
+
+def main(argv):
+    strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
+        algorithm="hierarchical", local_size=FLAGS.local_size,
+        timeout_seconds=60))
+    rank = strategy.worker_index
+    topology = strategy._tfscale_all_reduce.topology
+    world = strategy._tfscale_cross_device_ops._groups[0]
+
+    def all_reduce_fn(algorithm, **kwargs):
+        reducer = collectives.AllReduce(
+            topology, algorithm, FUSION_BYTES, log_plans=rank == 0, **kwargs)
+        return tf.function(lambda tensors: reducer(tensors, world)), reducer
+
+    names = ["ring", "hierarchical", "hybrid", "2d"]
+    refused = {}
+    results = {"integer": {}, "real": {}, "plans": {}}
+    integer_inputs = [tf.constant(t) for t in integer_tensors(rank)]
+    real_inputs = [tf.constant(t) for t in real_tensors(rank)]
+    for name in names:
+        kwargs = {"hybrid_threshold_bytes": HYBRID_BYTES} if name == "hybrid" else {}
+        try:
+            fn, reducer = all_reduce_fn(name, **kwargs)
+        except NotImplementedError as error:
+            refused[name] = str(error)
+            continue
+        results["plans"][name] = [
+            [b.algorithm, b.size_bytes, b.num_chunks]
+            for b in reducer.plan(integer_inputs)
+        ]
+        # Twice: the second call reuses the trace with fresh instance keys.
+        fn(integer_inputs)
+        results["integer"][name] = to_json(fn(integer_inputs))
+        results["real"][name] = to_json(fn(real_inputs))
+
+    # The algorithms themselves, on one odd-length buffer split into chunks.
+    groups = strategy._tfscale_all_reduce.groups(world)
+    buffer = tf.constant(np.random.default_rng(300 + rank).integers(
+        -1000, 1000, BUFFER_LENGTH).astype(np.float32))
+    chunked = {}
+    for name, fn in algorithms.ALGORITHMS.items():
+        if name in refused:
+            continue
+        for num_chunks in (1, 3):
+            run = tf.function(lambda b, fn=fn, c=num_chunks: fn(b, groups, c))
+            chunked[f"{name}/{num_chunks}"] = run(buffer).numpy().tolist()
+
+    compressed = {}
+    for compression in ("bfloat16", "float16"):
+        fn, _ = all_reduce_fn("hierarchical", compression=compression)
+        compressed[compression] = to_json(fn(real_inputs))
+    if "2d" not in refused:  # all-gathers 16-bit shards
+        fn, _ = all_reduce_fn("2d", compression="bfloat16")
+        compressed["2d/bfloat16"] = to_json(fn(real_inputs))
+    # float16 with values whose 4-worker sum overflows float16 (65504) and
+    # values below its smallest subnormal (6e-8).
+    extreme = [tf.constant(np.array([6e4, -6e4, 1e-9, 3.0], np.float32) * (rank + 1))]
+    fn, _ = all_reduce_fn("ring", compression="float16")
+    compressed["float16/extreme"] = to_json(fn(extreme))
+
+    report({
+        "worker_index": rank,
+        "nodes": [list(n) for n in topology.nodes],
+        "refused": refused,
+        "integer_inputs": to_json(integer_tensors(rank)),
+        "real_inputs": to_json(real_tensors(rank)),
+        "buffer": buffer.numpy().tolist(),
+        "extreme_inputs": to_json([e.numpy() for e in extreme]),
+        "chunked": chunked,
+        "compressed": compressed,
+        **results,
+    })
+
+
+if __name__ == "__main__":
+    app.run(main)

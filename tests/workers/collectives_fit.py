@@ -1,0 +1,107 @@
+"""Keras `fit` with each all-reduce configuration; reports the final weights.
+
+MWMS starts its gRPC server once per process, so one `tfscale.Strategy` is
+built (through its constructor, with the first configuration) and the later
+configurations replace its `collectives.AllReduce` the way the constructor
+installs it. Each configuration trains a fresh model from the same seed on the
+same data.
+
+Flags: --local_size, --configs (comma-separated `algorithm[+compression]`),
+--steps.
+"""
+
+import numpy as np
+import tensorflow as tf
+from absl import app
+from absl import flags
+
+import keras
+import tfscale
+from report import report
+from tfscale import collectives
+
+flags.DEFINE_integer("local_size", 2, "Workers per node.")
+flags.DEFINE_list("configs", ["ring", "hierarchical", "2d", "hybrid"],
+                  "algorithm[+compression] to train with, in order.")
+flags.DEFINE_integer("steps", 6, "Training steps per configuration.")
+FLAGS = flags.FLAGS
+
+GLOBAL_BATCH = 12  # divisible by 3 and 4 workers
+# Gradients, last layer first: 16 + 256 bytes, then 64 + 512 bytes: two
+# buckets at 256 bytes; hybrid at 400 bytes sends the first hierarchically
+# and the second by ring.
+FUSION_BYTES = 256
+HYBRID_BYTES = 400
+
+
+def dataset_fn(input_context):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = rng.integers(0, 4, 96).astype("int64")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
+                    drop_remainder=True)
+
+
+def options(config):
+    algorithm, _, compression = config.partition("+")
+    return tfscale.CommunicationOptions(
+        algorithm=algorithm, fusion_threshold_bytes=FUSION_BYTES,
+        hybrid_threshold_bytes=HYBRID_BYTES if algorithm == "hybrid" else None,
+        local_size=FLAGS.local_size, compression=compression or None,
+        timeout_seconds=60)
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(4),
+    ])
+
+
+def train(strategy):
+    with strategy.scope():
+        model = build_model()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"])
+    data = strategy.distribute_datasets_from_function(dataset_fn)
+    history = model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0)
+    return {
+        "weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
+        "loss": history.history["loss"],
+        "accuracy": history.history["accuracy"],
+    }
+
+
+def main(argv):
+    first = options(FLAGS.configs[0])
+    strategy = tfscale.Strategy(communication=first)
+    topology = strategy._tfscale_all_reduce.topology
+    results, plans = {}, {}
+    for config in FLAGS.configs:
+        o = options(config)
+        reducer = collectives.AllReduce(
+            topology, o.algorithm, o.fusion_threshold_bytes,
+            hybrid_threshold_bytes=o.hybrid_threshold_bytes,
+            compression=o.compression, log_plans=strategy.is_chief)
+        strategy._tfscale_cross_device_ops._all_reduce_fn = reducer
+        results[config] = train(strategy)
+        plans[config] = [b.algorithm for b in reducer.plan(
+            [tf.zeros([8, 16]), tf.zeros([16]), tf.zeros([16, 4]), tf.zeros([4])])]
+    report({
+        "worker_index": strategy.worker_index,
+        "initial": [v.numpy().ravel().tolist()
+                    for v in build_model().trainable_variables],
+        "nodes": [list(n) for n in topology.nodes],
+        "results": results,
+        "plans": plans,
+    })
+
+
+if __name__ == "__main__":
+    app.run(main)

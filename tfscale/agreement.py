@@ -1,0 +1,63 @@
+"""Agreement at start: every worker must train with the same settings.
+
+Workers launched with different flags (a stale config on one machine, a
+typo in one pod) would otherwise train silently wrong or hang in mismatched
+collectives. Each worker gathers every worker's settings and, on any
+difference, all of them stop with the same message.
+"""
+
+import json
+
+import numpy as np
+import tensorflow as tf
+
+
+class SettingsMismatchError(ValueError):
+    """Workers were started with different settings."""
+
+
+def _gather(strategy, array):
+    """Stacks this worker's int32 `array` with every other worker's."""
+    values = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant(array[None])
+    )
+    return strategy.gather(values, axis=0).numpy()
+
+
+def gather_settings(strategy, settings):
+    """Every worker's `settings` (a JSON-serializable dict), by worker index."""
+    payload = np.frombuffer(json.dumps(settings, sort_keys=True).encode(), np.uint8)
+    lengths = _gather(strategy, np.array([payload.size], np.int32))[:, 0]
+    padded = np.zeros(lengths.max(), np.int32)
+    padded[: payload.size] = payload
+    rows = _gather(strategy, padded)
+    return [json.loads(bytes(row[:n].astype(np.uint8)).decode())
+            for row, n in zip(rows, lengths)]
+
+
+def differences(all_settings):
+    """Lines `name: value on worker 0, other on worker 1` per differing setting."""
+    lines = []
+    names = sorted(set().union(*all_settings))
+    for name in names:
+        values = [s.get(name, "<unset>") for s in all_settings]
+        if any(v != values[0] for v in values):
+            groups = {}
+            for index, value in enumerate(values):
+                groups.setdefault(json.dumps(value), []).append(index)
+            lines.append(f"{name}: " + ", ".join(
+                f"{json.loads(value)} on worker{'s' if len(idx) > 1 else ''} "
+                f"{', '.join(map(str, idx))}" for value, idx in groups.items()))
+    return lines
+
+
+def check_settings_agree(strategy, settings):
+    """Raises `SettingsMismatchError` on every worker if any settings differ."""
+    if strategy.num_replicas_in_sync == 1:
+        return
+    lines = differences(gather_settings(strategy, settings))
+    if lines:
+        raise SettingsMismatchError(
+            "Workers were started with different settings; start every worker "
+            "with the same flags and versions:\n  " + "\n  ".join(lines)
+        )

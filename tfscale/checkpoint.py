@@ -1,0 +1,154 @@
+"""Training-state checkpoints for resuming after a failure.
+
+A checkpoint holds everything a resumed run needs to continue exactly where
+the saved one was: model weights (with BatchNorm statistics), optimizer state
+(step count, momentum slots, loss scale) and the random-number states of
+layers such as Dropout. The step count is the data position: the input
+pipelines are deterministic given their seed, so a resumed run skips that
+many batches.
+
+Only the chief writes, and atomically: into a fresh directory that is renamed
+into place, then `state.json` (naming it) is replaced, so a crash at any
+moment leaves the previous checkpoint complete and named.
+"""
+
+import json
+import os
+import shutil
+import uuid
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfscale import callbacks
+
+STATE_FILE = "state.json"
+_KEEP = 2  # checkpoints kept: the newest one and the one before it
+
+
+def _trackable_state(model):
+    # tf.train.Checkpoint does not reach Keras's SeedGenerator states through
+    # the model; without them a resumed Dropout draws other masks.
+    seed_states = [v.value for v in model.variables if "seed_generator_state" in v.path]
+    return tf.train.Checkpoint(
+        model=model, optimizer=model.optimizer, seed_states=seed_states
+    )
+
+
+def latest(directory):
+    """(step, checkpoint prefix) of the newest checkpoint, or (0, None)."""
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        return 0, None
+    with open(path) as f:
+        state = json.load(f)
+    return state["step"], os.path.join(directory, state["checkpoint"], "ckpt")
+
+
+def restore(model, directory):
+    """Restores the newest checkpoint in `directory` into a compiled `model`.
+
+    Call it inside the strategy scope that built the model.
+
+    Returns:
+        The step it was saved at (0 when there is none, nothing restored).
+    """
+    step, prefix = latest(directory)
+    if prefix is None:
+        return 0
+    # Optimizer slots are created lazily; they must exist to be restored.
+    model.optimizer.build(model.trainable_variables)
+    _trackable_state(model).read(prefix).assert_existing_objects_matched()
+    return step
+
+
+def save(model, directory, step):
+    """Writes a checkpoint of `model` at `step` (chief only), atomically."""
+    os.makedirs(directory, exist_ok=True)
+    name = f"step-{step:09d}"
+    partial = os.path.join(directory, f".partial-{uuid.uuid4().hex[:8]}")
+    try:
+        _trackable_state(model).write(os.path.join(partial, "ckpt"))
+        final = os.path.join(directory, name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    state_path = os.path.join(directory, STATE_FILE)
+    with open(state_path + ".tmp", "w") as f:
+        json.dump({"step": step, "checkpoint": name}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(state_path + ".tmp", state_path)
+    saved = sorted(d for d in os.listdir(directory) if d.startswith("step-"))
+    for old in saved[:-_KEEP]:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def _step(model):
+    """Steps the model has trained (the optimizer's iteration count)."""
+    return int(model.optimizer.iterations.numpy())
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class TerminateOnNonFiniteLoss(keras.callbacks.Callback):
+    """Stops training with `NonFiniteLossError` when the loss is NaN or inf.
+
+    The logged loss is averaged over all workers, so every worker sees it at
+    the same step and stops there together; place this callback before
+    `BackupAndResume` so the bad step is never saved.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(loss):
+            step = _step(self.model)
+            raise NonFiniteLossError(
+                f"The loss (averaged over all workers) is {loss} at step {step}; "
+                "training stopped. Lower the learning rate, add warmup, or use "
+                "loss scaling (--precision=mixed_float16)."
+            )
+
+
+class BackupAndResume(keras.callbacks.Callback):
+    """Saves the training state every `save_steps` steps and at the end.
+
+    Every worker must use it (BatchNorm statistics are averaged across
+    workers before each save, a collective); only the chief writes.
+
+    Args:
+        directory: where checkpoints go; on a cluster, storage every worker
+            can read (a resumed worker restores from it).
+        strategy: the `tfscale.Strategy`.
+        save_steps: steps between checkpoints.
+    """
+
+    def __init__(self, directory, strategy, save_steps):
+        super().__init__()
+        self.directory = directory
+        self.strategy = strategy
+        self.save_steps = save_steps
+        self._sync = None
+        self._last_saved = None
+
+    def _save(self):
+        step = _step(self.model)
+        if step == self._last_saved:
+            return
+        if self._sync is None:
+            self._sync = callbacks.batch_norm_synchronizer(self.model, self.strategy)
+        self._sync()
+        if self.strategy.is_chief:
+            save(self.model, self.directory, step)
+        self._last_saved = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if _step(self.model) % self.save_steps == 0:
+            self._save()
+
+    def on_train_end(self, logs=None):
+        self._save()
