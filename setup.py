@@ -23,8 +23,10 @@ setuptools.setup(
         "tensorflow-datasets==4.9.*",
         "importlib_resources",  # needed by tensorflow-datasets, not pulled in by it
         "absl-py",
+        "tensorboard",  # tf.summary's writer; tensorflow-cpu does not bring it
         "scikit-learn",
         "numpy",
+        "matplotlib",  # launch/large_batch_study.py's plot
     ],
     extras_require={"test": ["pytest"]},
     entry_points={

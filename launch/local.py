@@ -246,16 +246,25 @@ def _launch_emulated(command, num_workers, timeout, grace_seconds, num_nodes,
                 command, [w.address for w in cluster.workers], timeout,
                 grace_seconds, prefixes=[w.prefix for w in cluster.workers],
             )
-    except netns.EmulationError as error:
+    except netns.LinkSettingsError as error:
+        reason = str(error).rstrip(".")
         print(
-            f"tfscale-launch: cannot emulate nodes: {error}. Run without "
+            f"tfscale-launch: cannot rate-limit the inter-node link: {reason}. "
+            "Check --inter_node_rate, --inter_node_burst and --inter_node_latency.",
+            file=sys.stderr,
+        )
+        return 2
+    except netns.EmulationError as error:
+        reason = str(error).rstrip(".")
+        print(
+            f"tfscale-launch: cannot emulate nodes: {reason}. Run without "
             "--emulate_nodes to launch every worker on 127.0.0.1.",
             file=sys.stderr,
         )
         return 2
     except KeyboardInterrupt as interrupt:  # while making or removing namespaces
-        print(f"tfscale-launch: interrupted ({interrupt or 'SIGINT'}); "
-              "removed the emulated nodes.", file=sys.stderr)
+        print(f"tfscale-launch: interrupted ({str(interrupt) or 'SIGINT'}); "
+              "no emulated node is left.", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -305,7 +314,7 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None):
     except KeyboardInterrupt as interrupt:
         workers.stop(grace_seconds)
         print(
-            f"tfscale-launch: interrupted ({interrupt or 'SIGINT'}); "
+            f"tfscale-launch: interrupted ({str(interrupt) or 'SIGINT'}); "
             "stopped every worker.",
             file=sys.stderr,
         )

@@ -43,7 +43,11 @@ _sequence = itertools.count()
 
 
 class EmulationError(RuntimeError):
-    """The emulated cluster cannot be set up here (permissions, tools, tc)."""
+    """The emulated cluster cannot be set up here (permissions, tools)."""
+
+
+class LinkSettingsError(EmulationError):
+    """tc refused the link's rate/burst/latency (e.g. a malformed rate)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +149,8 @@ def _signals_deferred():
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # None: a handler not installed from Python; the default is closest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         if caught:
             handler = previous[caught[0]]
             if callable(handler):
@@ -210,8 +215,11 @@ class EmulatedCluster:
     def _tbf(self, netns, dev):
         if self.rate is None:
             return
-        _run("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", self.rate, "burst", self.burst, "latency", self.latency)
+        try:
+            _run("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf",
+                 "rate", self.rate, "burst", self.burst, "latency", self.latency)
+        except EmulationError as error:
+            raise LinkSettingsError(str(error)) from None
 
     def _create(self):
         ip = _ip()

@@ -90,6 +90,11 @@ flags.DEFINE_float(
     "collective_timeout", 300,
     "Seconds a collective may wait for the other workers before the job fails.",
 )
+flags.DEFINE_string(
+    "tensorboard_dir", None,
+    "Where the chief writes per-step TensorBoard scalars: images/second, "
+    "learning rate, loss scale, loss.",
+)
 flags.DEFINE_enum(
     "verbose", "auto", ["auto", "0", "1", "2"],
     "Chief's Keras verbosity; auto: a progress bar on a terminal, a line per "
@@ -129,6 +134,7 @@ def validate_flags():
         preflight.check_tf_config()
         preflight.check_writable_dir("model_dir", FLAGS.model_dir)
         preflight.check_writable_dir("export_dir", FLAGS.export_dir)
+        preflight.check_writable_dir("tensorboard_dir", FLAGS.tensorboard_dir)
         if FLAGS.dataset == "imagenet":
             data.check_imagenet_source(FLAGS.data_dir, FLAGS.manual_dir)
     except (preflight.PreflightError, FileNotFoundError) as error:
@@ -138,7 +144,7 @@ def validate_flags():
 # Flags whose values may differ between workers without changing the training
 # (paths can be local to each machine).
 _LOCAL_FLAGS = {"data_dir", "manual_dir", "model_dir", "export_dir", "verbose",
-                "cluster_resolver"}
+                "cluster_resolver", "tensorboard_dir"}
 
 
 def shared_settings():
@@ -258,6 +264,9 @@ def train():
         callbacks.Throughput(FLAGS.global_batch_size),
         callbacks.SyncBatchNormStatistics(strategy),
     ]
+    if chief and FLAGS.tensorboard_dir:
+        fit_callbacks.append(callbacks.TensorBoardScalars(
+            FLAGS.tensorboard_dir, FLAGS.global_batch_size))
     if FLAGS.model_dir:
         fit_callbacks.append(checkpoint.BackupAndResume(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps))

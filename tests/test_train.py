@@ -82,3 +82,20 @@ def test_global_batch_the_workers_cannot_share_fails_every_worker(tmp_path):
     assert process.returncode not in (0, 124)
     assert "divisible by the number of workers (2)" in process.stdout
     assert not (tmp_path / "export").exists()
+
+
+def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):
+    import tensorflow as tf
+
+    board = tmp_path / "board"
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
+                   "tfscale-train", "--epochs=1", *SMALL, "--export_dir=",
+                   f"--tensorboard_dir={board}"], cwd=tmp_path, timeout=360)
+    assert process.returncode == 0, process.stdout[-4000:]
+    tags = {}
+    for event_file in board.iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(event_file)):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(event.step)
+    assert {"images_per_second", "learning_rate", "loss"} <= tags.keys()
+    assert sorted(tags["learning_rate"]) == [1, 2, 3, 4]

@@ -1,0 +1,147 @@
+"""Tests for launch/recipes.py: Settings -> optimizer and schedule."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfscale
+from launch import recipes
+from tfscale import schedules
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def lr_at(learning_rate, step):
+    if isinstance(learning_rate, float):
+        return learning_rate
+    return float(learning_rate(step))
+
+
+def test_default_settings_give_plain_sgd():
+    optimizer, learning_rate = recipes.make_optimizer(
+        recipes.Settings(), 64, 22, 8)
+    assert type(optimizer) is keras.optimizers.SGD
+    assert learning_rate == 0.05
+    assert optimizer.get_config()["momentum"] == 0.9
+    assert optimizer.get_config()["nesterov"] is False
+
+
+def test_sgd_weight_decay_is_l2_on_the_gradient_except_bias():
+    settings = recipes.Settings(weight_decay=0.1, learning_rate=0.5)
+    optimizer, _ = recipes.make_optimizer(settings, 8, 1, 1)
+    kernel = keras.Variable(np.array([[1.0, -2.0], [3.0, 0.5]]), name="kernel")
+    bias = keras.Variable(np.array([1.0, 2.0]), name="bias")
+    grads = [np.array([[0.1, 0.2], [0.3, 0.4]]), np.array([0.5, -0.5])]
+    # float64 reference: v = m * v + lr * (g + wd * w); w = w - v.
+    w = [kernel.numpy().astype(np.float64), bias.numpy().astype(np.float64)]
+    v = [np.zeros_like(w[0]), np.zeros_like(w[1])]
+    for _ in range(3):
+        optimizer.apply([np.float32(g) for g in grads], [kernel, bias])
+        for i, decay in ((0, 0.1), (1, 0.0)):
+            v[i] = 0.9 * v[i] + 0.5 * (grads[i] + decay * w[i])
+            w[i] = w[i] - v[i]
+    np.testing.assert_allclose(kernel.numpy(), w[0], rtol=1e-6)
+    np.testing.assert_allclose(bias.numpy(), w[1], rtol=1e-6)
+
+
+def test_lars_settings():
+    settings = recipes.Settings(optimizer="lars", weight_decay=1e-4,
+                                eeta=0.002, lars_epsilon=1e-5, momentum=0.8)
+    optimizer, _ = recipes.make_optimizer(settings, 64, 10, 3)
+    assert type(optimizer) is tfscale.optimizers.LARS
+    config = optimizer.get_config()
+    assert (config["weight_decay_rate"], config["eeta"], config["epsilon"],
+            config["momentum"]) == (1e-4, 0.002, 1e-5, 0.8)
+    # Biases and BatchNorm: the LARS defaults.
+    assert config["exclude_from_weight_decay"] is None
+    assert config["exclude_from_layer_adaptation"] is None
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "lars"])
+def test_only_mixed_float16_gets_loss_scaling(optimizer_name):
+    for precision, wrapped in (("float32", False), ("mixed_bfloat16", False),
+                               ("mixed_float16", True)):
+        settings = recipes.Settings(optimizer=optimizer_name,
+                                    precision=precision)
+        optimizer, _ = recipes.make_optimizer(settings, 64, 10, 2)
+        assert isinstance(optimizer,
+                          tfscale.optimizers.LossScaleOptimizer) == wrapped
+
+
+def test_warmup_poly_with_linear_scaling():
+    settings = recipes.Settings(
+        lr_schedule="warmup_poly", learning_rate=0.1, scale_lr=True,
+        base_batch_size=256, warmup_epochs=1, end_learning_rate=0.001)
+    schedule = recipes.make_schedule(settings, 1024, 10, 5)
+    assert isinstance(schedule, schedules.WarmupPolynomialDecay)
+    peak = 0.1 * 1024 / 256
+    assert lr_at(schedule, 0) == 0.0
+    assert lr_at(schedule, 5) == pytest.approx(peak / 2)
+    assert lr_at(schedule, 10) == pytest.approx(peak)
+    # Halfway through the 40 decay steps: (peak - end) * 0.5**2 + end.
+    assert lr_at(schedule, 30) == pytest.approx((peak - 0.001) * 0.25 + 0.001)
+    assert lr_at(schedule, 50) == pytest.approx(0.001)
+
+
+def test_constant_with_warmup():
+    settings = recipes.Settings(warmup_epochs=2, learning_rate=0.3)
+    schedule = recipes.make_schedule(settings, 64, 5, 4)
+    assert isinstance(schedule, schedules.Warmup)
+    assert [lr_at(schedule, s) for s in (0, 5, 10, 19)] == pytest.approx(
+        [0.0, 0.15, 0.3, 0.3])
+
+
+def test_one_cycle_peaks_at_the_end_of_warmup():
+    settings = recipes.Settings(lr_schedule="one_cycle", learning_rate=0.8,
+                                warmup_epochs=1)
+    schedule = recipes.make_schedule(settings, 64, 10, 4)
+    assert isinstance(schedule, schedules.OneCycle)
+    assert schedule.pct_start == 0.25
+    assert lr_at(schedule, 0) == pytest.approx(0.8 / 25)
+    assert lr_at(schedule, 9) == pytest.approx(0.8)  # pct_start * 40 - 1
+    default = recipes.make_schedule(
+        recipes.Settings(lr_schedule="one_cycle"), 64, 10, 4)
+    assert default.pct_start == 0.3
+
+
+@pytest.mark.parametrize("schedule", ["warmup_poly", "one_cycle"])
+def test_warmup_longer_than_training_is_refused(schedule):
+    settings = recipes.Settings(lr_schedule=schedule, warmup_epochs=3)
+    with pytest.raises(ValueError, match=(
+            r"`warmup_epochs` must be shorter than training for "
+            rf"lr_schedule='{schedule}'. Received: warmup_epochs=3, "
+            r"epochs=3")):
+        recipes.make_schedule(settings, 64, 10, 3)
+
+
+def test_recipe_values():
+    """The published numbers, as cited in launch/recipes.py."""
+    r = recipes.RECIPES["resnet50_lars_32k"]
+    assert (r["learning_rate"], r["warmup_epochs"], r["weight_decay"],
+            r["base_batch_size"], r["lars_epsilon"],
+            r["end_learning_rate"]) == (31.2, 25.0, 1e-4, 32768, 1e-5, 1e-4)
+    r = recipes.RECIPES["resnet50_lars_4k"]
+    assert (r["learning_rate"], r["warmup_epochs"], r["weight_decay"],
+            r["base_batch_size"]) == (10.0, 5.0, 2e-4, 4096)
+    r = recipes.RECIPES["alexnet_bn_lars_8k"]
+    assert (r["learning_rate"], r["weight_decay"], r["warmup_epochs"],
+            r["base_batch_size"]) == (10.0, 5e-4, 3.84, 8192)
+    r = recipes.RECIPES["alexnet_bn_lars_32k"]
+    assert (r["learning_rate"], r["warmup_epochs"]) == (32.0, 10.23)
+    for recipe in recipes.RECIPES.values():
+        recipes.Settings(**recipe)  # every key is a valid setting
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match=(
+            r"`optimizer` must be one of \['sgd', 'lars'\]. "
+            r"Received: optimizer='adam'")):
+        recipes.Settings(optimizer="adam")
+    with pytest.raises(ValueError, match=r"Received: precision='float16'"):
+        recipes.Settings(precision="float16")
+    with pytest.raises(ValueError, match=r"Received: learning_rate=0"):
+        recipes.Settings(learning_rate=0)
