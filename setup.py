@@ -33,6 +33,7 @@ setuptools.setup(
         "console_scripts": [
             "tfscale-train=launch.train:run",
             "tfscale-launch=launch.local:run",
+            "tfscale-bench=launch.bench:run",
         ]
     },
 )

@@ -33,9 +33,11 @@ flags.DEFINE_enum("optimizer", "sgd", OPTIMIZERS,
                   "sgd: momentum SGD; lars: tfscale.optimizers.LARS.")
 flags.DEFINE_enum(
     "precision", "float32", PRECISIONS,
-    "Keras dtype policy. mixed_bfloat16 is the fast choice on CPUs with "
-    "bfloat16 instructions; mixed_float16 (GPUs) adds dynamic loss scaling "
-    "that agrees across workers.",
+    "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
+    "(oneDNN bfloat16 kernels) but is 6-14x SLOWER on CPUs without it, "
+    "where TensorFlow falls back to Eigen (launch/precision_speed.py "
+    "measures yours); mixed_float16 is for GPUs and adds dynamic loss "
+    "scaling that agrees across workers.",
 )
 flags.DEFINE_enum(
     "lr_schedule", "constant", LR_SCHEDULES,
@@ -107,13 +109,29 @@ def set_precision(settings=None):
 
 
 def build_optimizer(global_batch_size, steps_per_epoch, epochs):
-    """`make_optimizer` with the settings of the parsed flags."""
+    """The optimizer the parsed flags describe; build it in the strategy scope.
+
+    Args:
+        global_batch_size: examples per step over all workers.
+        steps_per_epoch: optimizer steps per epoch.
+        epochs: the length of training; decaying schedules end with it.
+
+    Returns:
+        `(optimizer, learning_rate)`, as `launch.recipes.make_optimizer`:
+        under `--precision=mixed_float16` the optimizer is wrapped in
+        `tfscale.optimizers.LossScaleOptimizer`.
+    """
     return make_optimizer(settings_from_flags(), global_batch_size,
                           steps_per_epoch, epochs)
 
 
 def describe(global_batch_size=None, settings=None):
-    """One line saying which optimizer, schedule and precision are in use."""
+    """One line saying which optimizer, schedule and precision are in use.
+
+    Args:
+        global_batch_size: shows the linearly scaled learning rate if given.
+        settings: a `Settings`; defaults to the parsed flags'.
+    """
     s = settings or settings_from_flags()
     parts = [f"optimizer {s.optimizer} (momentum {s.momentum:g}"]
     if s.weight_decay:
@@ -136,6 +154,8 @@ def describe(global_batch_size=None, settings=None):
     if s.lr_schedule == "warmup_poly":
         parts.append(f", power {s.poly_power:g} to {s.end_learning_rate:g}")
     parts.append(f", precision {s.precision}")
+    if s.precision == "mixed_float16":
+        parts.append(" with dynamic loss scaling")
     if s.recipe != "none":
         parts.append(f", recipe {s.recipe}")
     return "".join(parts)

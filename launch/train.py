@@ -30,7 +30,7 @@ flags.DEFINE_string(
     "<data_dir>/downloads/manual.",
 )
 flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all workers.")
-flags.DEFINE_integer("epochs", 8, "Training epochs.")
+flags.DEFINE_integer("epochs", 10, "Training epochs.")
 flags.DEFINE_integer(
     "steps_per_epoch", 0,
     "Steps per epoch; 0: one pass over the training split (required for synthetic).",

@@ -222,9 +222,9 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
         if len(devices) > 1:
             raise ValueError(
                 "tfscale runs one replica per worker process, as Horovod runs "
-                f"one process per GPU; this worker sees devices {devices}. "
+                "one process per GPU, but this worker sees several devices. "
                 "Start one worker per device and limit each to its own, e.g. "
-                "with CUDA_VISIBLE_DEVICES."
+                f"with CUDA_VISIBLE_DEVICES. Received: devices={devices}"
             )
         self.communication = communication
         resolver = self.cluster_resolver

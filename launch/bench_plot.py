@@ -1,0 +1,50 @@
+"""PNG plots of tfscale-bench results (matplotlib, no display needed)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
+
+
+def busbw_vs_size(rows, path, title):
+    """busbw (MB/s) against bytes, one line per algorithm label; a dashed
+    line at the link rate's bus bandwidth where a link rate is known."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    labels = []
+    for row in rows:
+        if row["label"] not in labels:
+            labels.append(row["label"])
+    for label in labels:
+        points = sorted((r["bytes"], r["busbw"] / 1e6) for r in rows if r["label"] == label)
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    rate = rows[0].get("link_rate") if rows else None
+    if rate:
+        axes.axhline(rate / 1e6, color="gray", linestyle="--",
+                     label=f"inter-node link rate ({rate / 1e6:.0f} MB/s)")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("bytes (float32)")
+    axes.set_ylabel("busbw (MB/s)")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def bars(categories, series, path, title, ylabel):
+    """Grouped bars: `series` is `{name: [value per category]}`."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / max(1, len(series))
+    for index, (name, values) in enumerate(series.items()):
+        positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(categories))]
+        axes.bar(positions, values, width=width, label=name)
+    axes.set_xticks(range(len(categories)))
+    axes.set_xticklabels(categories, fontsize=8)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, axis="y", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

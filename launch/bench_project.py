@@ -1,0 +1,284 @@
+"""tfscale-bench project: the alpha-beta cost model, fit here and projected.
+
+(a) Fit: `tfscale.collectives.cost_model.fit` on the single-buffer rows of a
+JSON that `tfscale-bench allreduce` wrote (tfscale's ring, hierarchical and 2d
+rows without compression, each with its chunk count), then predicted vs
+measured side by side. The fitted model can be written as JSON and handed back
+to `tfscale-bench allreduce --cost_model=...` (chunk counts, hybrid threshold).
+
+(b) Projection to the paper's hardware. Every number below is either taken
+from a source named beside it or marked as an assumption; nothing here is a
+measurement of that hardware. The all-reduce of one training step is planned
+by tfscale's own `collectives.plan` (fusion in backward order, the hybrid
+threshold and chunk counts from the cost model) over the model's real
+gradient shapes, and each bucket's time predicted by the cost model. Compute
+and communication are assumed not to overlap (a conservative bound on the
+step time), so scaling efficiency e = t_compute / (t_compute + t_allreduce).
+"""
+
+import dataclasses
+import json
+import math
+
+from launch import bench_stats
+
+# The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System
+# with Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
+PAPER = "Jia et al. 2018 (arXiv:1807.11205)"
+ABSTRACT = f"{PAPER}, abstract (https://arxiv.org/abs/1807.11205)"
+DESIGN = "/work/shared/DESIGN.md (the project's summary of the paper)"
+IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC2012 train split (tfds imagenet2012)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumption:
+    name: str
+    value: object
+    source: str
+
+
+def paper_assumptions():
+    """The paper's hardware, each value with where it comes from."""
+    pcie3_x16 = 8e9 * 16 * 128 / 130 / 8  # bytes/s per direction
+    return [
+        Assumption("GPUs per node", 8,
+                   f"{PAPER}: P40 GPUs, 8 per node (tfscale issue 5; {DESIGN})"),
+        Assumption("inter-node bandwidth (bytes/s per direction)", 100e9 / 8,
+                   "100 Gb/s Ethernet with RDMA (tfscale issue 5); 100e9 bits/s / 8"),
+        Assumption("intra-node bandwidth (bytes/s per direction)", pcie3_x16,
+                   "P40s have no NVLink; their interface is PCIe 3.0 x16 (NVIDIA "
+                   "P40 specifications, e.g. sysrqmts.com/gpus/nvidia/tesla/p40): "
+                   "8 GT/s x 16 lanes x 128/130 encoding / 8 = 15.75 GB/s. GPUs "
+                   "sharing a PCIe switch share it: not modelled (optimistic)"),
+        Assumption("inter-node latency alpha (s)", 0.8e-6,
+                   "NOT FOUND for the paper's cluster. Stand-in: one-way RDMA "
+                   "latency of a 32-byte message, ib_send_lat, 0.8 us (table in "
+                   "git.dennispotter.eu/Dennis/masters-thesis, tables/"
+                   "mtu_performance.tex). Software overhead per collective step "
+                   "(NCCL, kernel launches) is not in it: optimistic"),
+        Assumption("intra-node latency alpha (s)", 0.8e-6,
+                   "NOT FOUND; assumed equal to the inter-node stand-in"),
+        Assumption("single-GPU ResNet-50 throughput (images/s)", 218,
+                   f"{PAPER}, mixed precision on one P40 (172 in FP32): "
+                   f"'172 -> 218 img/s' in {DESIGN}"),
+        Assumption("ResNet-50 per-GPU batch", 32,
+                   f"64K global batch on 2048 GPUs ({DESIGN}; batch up to 64k: "
+                   f"{ABSTRACT})"),
+        Assumption("single-GPU AlexNet throughput (images/s)", None,
+                   "NOT FOUND in the sources available here: AlexNet's scaling "
+                   "efficiency is not projected, only its all-reduce time"),
+        Assumption("fusion threshold (bytes)", 32 * 1024 * 1024,
+                   "the paper's threshold was not found; tfscale's default"),
+        Assumption("wire dtype", "float32",
+                   "whether the paper all-reduces FP16 or FP32 gradients was not "
+                   "confirmed here; FP32 (tfscale's default), 16-bit shown too"),
+        Assumption("compute/communication overlap", "none",
+                   "not modelled: t_step = t_compute + t_allreduce (pessimistic)"),
+    ]
+
+
+def paper_reported():
+    """The paper's figures printed beside the projection, with their source.
+
+    Derived values say how they were derived from reported ones.
+    """
+    resnet_rate = 90 * IMAGENET_TRAIN_IMAGES / (6.6 * 60)
+    alexnet_rate = 95 * IMAGENET_TRAIN_IMAGES / (4 * 60)
+    return {
+        "resnet50": [
+            f"75.8% top-1 in 6.6 min on 2048 P40 ({ABSTRACT}; 90 epochs per the "
+            "abstract's framing)",
+            f"derived: 90 x {IMAGENET_TRAIN_IMAGES:,} images / 396 s = "
+            f"{resnet_rate:,.0f} images/s = {resnet_rate / 2048:.0f} per GPU, "
+            f"{resnet_rate / 2048 / 218:.2f} of the single-GPU 218 images/s "
+            "(an end-to-end average: includes everything in those minutes)",
+            f"all-reduce up to 11x faster than NCCL-based training at 1024 GPUs ({ABSTRACT})",
+            "the paper's own scaling-efficiency figure: NOT FOUND in the sources available here",
+        ],
+        "alexnet_bn": [
+            f"58.7% top-1 within 4 min, 95 epochs ({ABSTRACT}); on 1024 P40 ({DESIGN})",
+            f"derived: 95 x {IMAGENET_TRAIN_IMAGES:,} images / 240 s = "
+            f"{alexnet_rate:,.0f} images/s = {alexnet_rate / 1024:.0f} per GPU on 1024",
+            f"all-reduce up to 3x faster than NCCL-based training at 1024 GPUs ({ABSTRACT})",
+        ],
+    }
+
+
+def fit_rows(rows):
+    """The measurements `cost_model.fit` takes, and their topology.
+
+    Uses tfscale's single-buffer rows without compression whose algorithm is
+    one the model describes (ring, hierarchical, 2d).
+
+    Returns:
+        `(measurements, node_sizes, used_rows)`.
+    """
+    used = [r for r in rows
+            if r.get("mode") == "sizes" and r.get("side") == "tfscale"
+            and r.get("compression") is None
+            and r.get("algorithm") in ("ring", "hierarchical", "2d")]
+    if not used:
+        raise ValueError(
+            "No rows to fit: the measurements need tfscale ring/hierarchical/2d "
+            "rows of `tfscale-bench allreduce --sizes=...` without compression.")
+    topologies = {tuple(r["node_sizes"]) for r in used}
+    if len(topologies) != 1:
+        raise ValueError(f"The rows come from several topologies: {sorted(topologies)}.")
+    measurements = [(r["algorithm"], r["wire_bytes"], r["seconds"], r.get("num_chunks", 1))
+                    for r in used]
+    return measurements, list(topologies.pop()), used
+
+
+def fit_table(model, rows, node_sizes):
+    """Measured vs predicted for the fitted rows (and stock, predicted as a
+    ring, shown but not fitted)."""
+    lines = []
+    for r in rows:
+        algorithm = "ring" if r["side"] == "stock" else r["algorithm"]
+        if algorithm not in ("ring", "hierarchical", "2d") or r.get("compression"):
+            continue
+        chunks = r.get("num_chunks", 1)
+        predicted = model.predict(algorithm, r["wire_bytes"], node_sizes, chunks)
+        lines.append([r["bytes"], r["label"] + ("" if r["side"] == "tfscale" else " (not fitted)"),
+                      chunks, r["seconds"] * 1e3, predicted * 1e3, predicted / r["seconds"]])
+    return bench_stats.format_table(
+        ["size (B)", "algorithm", "chunks", "measured (ms)", "predicted (ms)", "pred/meas"],
+        lines, [">", "<", ">", ">", ">", ">"])
+
+
+def describe_model(model):
+    return (f"intra: alpha {model.intra.alpha * 1e6:.1f} us, "
+            f"{1 / model.intra.beta / 1e6 if model.intra.beta else math.inf:.1f} MB/s; "
+            f"inter: alpha {model.inter.alpha * 1e6:.1f} us, "
+            f"{1 / model.inter.beta / 1e6 if model.inter.beta else math.inf:.1f} MB/s")
+
+
+def step_allreduce_seconds(shapes, model, node_sizes, algorithm, fusion_bytes, wire_bytes_per_value=4):
+    """Predicted seconds to all-reduce a gradient list as tfscale plans it."""
+    import tensorflow as tf
+
+    from tfscale import collectives
+    from tfscale.collectives import topology as topology_lib
+
+    nodes, start = [], 0
+    for size in node_sizes:
+        nodes.append(tuple(range(start, start + size)))
+        start += size
+    topology = topology_lib.Topology(nodes=tuple(nodes), rank=0)
+    backward = list(reversed(shapes))
+    sizes = [4 * math.prod(s) for s in backward]
+    compression = None if wire_bytes_per_value == 4 else "float16"
+    buckets = collectives.plan(sizes, [tf.float32] * len(sizes), topology, algorithm,
+                               fusion_bytes, compression=compression, cost_model=model)
+    return sum(model.predict(b.algorithm, b.wire_bytes, node_sizes, b.num_chunks)
+               for b in buckets)
+
+
+def project(model, gradient_shapes, gpu_counts, assumptions):
+    """Projected rows for each model name in `gradient_shapes` and GPU count."""
+    values = {a.name: a.value for a in assumptions}
+    per_node = values["GPUs per node"]
+    fusion = values["fusion threshold (bytes)"]
+    compute = {"resnet50": values["ResNet-50 per-GPU batch"]
+               / values["single-GPU ResNet-50 throughput (images/s)"]}
+    rows = []
+    for name, shapes in gradient_shapes.items():
+        for gpus in gpu_counts:
+            node_sizes = [per_node] * (gpus // per_node) if gpus >= per_node else [gpus]
+            row = {"model": name, "gpus": gpus, "nodes": len(node_sizes),
+                   "params": sum(math.prod(s) for s in shapes),
+                   "t_compute": compute.get(name)}
+            for algorithm in ("ring", "hierarchical", "hybrid"):
+                row[f"t_{algorithm}"] = step_allreduce_seconds(
+                    shapes, model, node_sizes, algorithm, fusion)
+            # One ring all-reduce per tensor, no fusion.
+            row["t_ring_unfused"] = step_allreduce_seconds(
+                shapes, model, node_sizes, "ring", 0)
+            row["t_hybrid_16bit"] = step_allreduce_seconds(
+                shapes, model, node_sizes, "hybrid", fusion, wire_bytes_per_value=2)
+            for key in ("ring", "hierarchical", "hybrid", "hybrid_16bit"):
+                t_c = row["t_compute"]
+                row[f"e_{key}"] = t_c / (t_c + row[f"t_{key}"]) if t_c else None
+            rows.append(row)
+    return rows
+
+
+def projection_table(rows):
+    lines = []
+    for r in rows:
+        lines.append([r["gpus"], r["nodes"], r["t_ring_unfused"] * 1e3, r["t_ring"] * 1e3, r["t_hierarchical"] * 1e3,
+                      r["t_hybrid"] * 1e3, r["t_hybrid_16bit"] * 1e3,
+                      r["t_ring_unfused"] / r["t_hybrid"],
+                      r["e_ring"], r["e_hierarchical"], r["e_hybrid"], r["e_hybrid_16bit"]])
+    return bench_stats.format_table(
+        ["GPUs", "nodes", "ring unfused (ms)", "ring (ms)", "hier. (ms)", "hybrid (ms)", "hybrid 16b (ms)",
+         "unfused/hybrid", "e ring", "e hier.", "e hybrid", "e hybrid 16b"], lines)
+
+
+def main(flags_values):
+    """Runs `project` with the bench's flags (`measurements`, `fitted_output`,
+    `output`, `gpus`, `alpha_scale`)."""
+    from tfscale.collectives import cost_model as cost_model_lib
+
+    result = {}
+    if flags_values.measurements:
+        with open(flags_values.measurements) as f:
+            rows = json.load(f)
+        measurements, node_sizes, used = fit_rows(rows)
+        fitted = cost_model_lib.fit(measurements, node_sizes)
+        print(f"# (a) alpha-beta model fit with tfscale.collectives.cost_model.fit on "
+              f"{len(measurements)} rows of {flags_values.measurements} "
+              f"(nodes {node_sizes}, {used[0].get('inter_node_rate') or 'no rate limit'})")
+        print(f"# fitted: {describe_model(fitted)}")
+        rate = used[0].get("link_rate")
+        if rate:
+            print(f"# the emulated inter-node link's configured rate: {rate / 1e6:.1f} MB/s")
+        print(fit_table(fitted, rows, node_sizes))
+        result["fit"] = {"cost_model": fitted.get_config(), "node_sizes": node_sizes,
+                         "measurements": flags_values.measurements}
+        if flags_values.fitted_output:
+            with open(flags_values.fitted_output, "w") as f:
+                json.dump(result["fit"], f, indent=1)
+            print(f"tfscale-bench: wrote the fitted model to {flags_values.fitted_output}")
+    from launch import bench_allreduce
+
+    assumptions = paper_assumptions()
+    scale = flags_values.alpha_scale
+    values = {a.name: a.value for a in assumptions}
+    paper_model = cost_model_lib.CostModel(
+        intra=cost_model_lib.Link(values["intra-node latency alpha (s)"] * scale,
+                                  1 / values["intra-node bandwidth (bytes/s per direction)"]),
+        inter=cost_model_lib.Link(values["inter-node latency alpha (s)"] * scale,
+                                  1 / values["inter-node bandwidth (bytes/s per direction)"]))
+    print("\n# (b) projection to the paper's hardware. Assumptions and their sources:")
+    for a in assumptions:
+        print(f"#   {a.name} = {a.value}: {a.source}")
+    if scale != 1:
+        print(f"#   both alphas multiplied by --alpha_scale={scale:g} (sensitivity check)")
+    print(f"# cost model: {describe_model(paper_model)}")
+    shapes = {name: bench_allreduce.gradient_shapes(name) for name in ("resnet50", "alexnet_bn")}
+    rows = project(paper_model, shapes, [int(g) for g in flags_values.gpus], assumptions)
+    reported = paper_reported()
+    for name in shapes:
+        model_rows = [r for r in rows if r["model"] == name]
+        print(f"\n## {name}: {model_rows[0]['params']:,} float32 gradients "
+              f"({4 * model_rows[0]['params'] / 1e6:.1f} MB), "
+              f"{len(shapes[name])} tensors; all-reduce time per step, scaling "
+              "efficiency e = t_compute / (t_compute + t_allreduce); ring unfused = one "
+              "ring all-reduce per tensor; the others fuse into 32 MiB buffers"
+              + ("" if model_rows[0]["t_compute"] else " (not computed: no single-GPU throughput)"))
+        if model_rows[0]["t_compute"]:
+            print(f"# t_compute = {model_rows[0]['t_compute'] * 1e3:.1f} ms per step per GPU")
+        print(projection_table(model_rows))
+        print("# the paper reports:")
+        for line in reported[name]:
+            print(f"#   {line}")
+    result["projection"] = rows
+    result["assumptions"] = [dataclasses.asdict(a) for a in assumptions]
+    result["alpha_scale"] = scale
+    result["paper_reported"] = reported
+    if flags_values.output:
+        with open(flags_values.output, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"tfscale-bench: wrote {flags_values.output}")
+    return result

@@ -1,0 +1,48 @@
+"""Smoke test of launch/large_batch_study.py: tiny settings, real digits."""
+
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_study(tmp_path, *args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.large_batch_study", *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120)
+
+
+def test_writes_the_doc_and_the_plot(tmp_path):
+    args = ["--epochs=2", "--warmup_epochs=1", "--seeds=1", "--precisions=float32",
+            "--settings=sgd_small,lars_large", "--small_batch=256",
+            "--learning_rates=0.05", "--lars_learning_rates=3",
+            f"--doc={tmp_path / 'out' / 'study.md'}",
+            f"--plot={tmp_path / 'out' / 'study.png'}"]
+    process = run_study(tmp_path, *args)
+    assert process.returncode == 0, process.stdout[-4000:]
+    doc = (tmp_path / "out" / "study.md").read_text()
+    assert "python -m launch.large_batch_study " + " ".join(args) in doc
+    assert "![test accuracy per epoch](study.png)" in doc
+    # The doc holds the printed lines, the runs and the verdicts among them.
+    for line in ("[1/2] SGD, batch 256, lr 0.05, float32, seed 0",
+                 "[2/2] LARS, batch 479, lr 3 + warmup, float32, seed 0",
+                 "6 steps/epoch", "3 steps/epoch",
+                 "float32: baseline SGD, batch 256, lr 0.05"):
+        assert line in process.stdout and line in doc, line
+    png = (tmp_path / "out" / "study.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_refuses_bad_flags_before_training(tmp_path):
+    process = run_study(tmp_path, "--settings=sgd_small,adam_large")
+    assert process.returncode != 0
+    assert ("--settings must name some of sgd_small, sgd_large, lars_large. "
+            "Received: settings=['sgd_small', 'adam_large']") in process.stdout
+    process = run_study(tmp_path, "--epochs=2")
+    assert process.returncode != 0
+    assert ("--warmup_epochs must be shorter than --epochs. Received: "
+            "warmup_epochs=2.0, epochs=2") in process.stdout
+    assert "[1/" not in process.stdout
