@@ -214,7 +214,7 @@ def allreduce_command():
                 bench_report.check_results(side_outputs)
                 _check_topology(side_outputs, ctx)
                 outputs.extend(side_outputs)
-            rounds.append(_merge_sides(outputs, len(sides)))
+            rounds.append(_merge_sides(outputs))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     rows = bench_report.summarize(rounds, input_sets, ctx)
@@ -241,7 +241,7 @@ def _check_topology(outputs, ctx):
                 f"expected {ctx['node_sizes']}; pass --local_size to say how.")
 
 
-def _merge_sides(outputs, num_sides):
+def _merge_sides(outputs):
     """One output per rank holding the rows of every side."""
     merged = {}
     for output in outputs:

@@ -17,10 +17,14 @@ def busbw_vs_size(rows, path, title):
     for label in labels:
         points = sorted((r["bytes"], r["busbw"] / 1e6) for r in rows if r["label"] == label)
         axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    rate = rows[0].get("link_rate") if rows else None
-    if rate:
-        axes.axhline(rate / 1e6, color="gray", linestyle="--",
-                     label=f"inter-node link rate ({rate / 1e6:.0f} MB/s)")
+    bounded = [r for r in rows if r.get("link_bound_seconds") and not r.get("compression")]
+    if bounded:
+        # The link bound expressed as a busbw (the same for every size).
+        row = bounded[0]
+        busbw = row["bytes"] / row["link_bound_seconds"] * row["busbw"] / row["algbw"]
+        axes.axhline(busbw / 1e6, color="gray", linestyle="--",
+                     label=f"link bound as busbw ({busbw / 1e6:.1f} MB/s, "
+                     f"link {row['link_rate'] / 1e6:.0f} MB/s)")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("bytes (float32)")
     axes.set_ylabel("busbw (MB/s)")

@@ -206,12 +206,14 @@ def project(model, gradient_shapes, gpu_counts, assumptions):
 def projection_table(rows):
     lines = []
     for r in rows:
-        lines.append([r["gpus"], r["nodes"], r["t_ring_unfused"] * 1e3, r["t_ring"] * 1e3, r["t_hierarchical"] * 1e3,
+        lines.append([r["gpus"], r["nodes"], r["t_ring_unfused"] * 1e3,
+                      r["t_ring"] * 1e3, r["t_hierarchical"] * 1e3,
                       r["t_hybrid"] * 1e3, r["t_hybrid_16bit"] * 1e3,
                       r["t_ring_unfused"] / r["t_hybrid"],
                       r["e_ring"], r["e_hierarchical"], r["e_hybrid"], r["e_hybrid_16bit"]])
     return bench_stats.format_table(
-        ["GPUs", "nodes", "ring unfused (ms)", "ring (ms)", "hier. (ms)", "hybrid (ms)", "hybrid 16b (ms)",
+        ["GPUs", "nodes", "ring unfused (ms)", "ring (ms)", "hier. (ms)", "hybrid (ms)",
+         "hybrid 16b (ms)",
          "unfused/hybrid", "e ring", "e hier.", "e hybrid", "e hybrid 16b"], lines)
 
 

@@ -36,7 +36,6 @@ from launch import bench_stats
 def run_worker(spec):
     """One worker of a `train` launch; writes `<out_prefix>-<rank>.json`."""
     import keras
-    import tensorflow as tf
 
     strategy, rank = None, 0
     if spec["kind"] == "stock":
@@ -67,7 +66,6 @@ def run_worker(spec):
                 f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
                 for r in runs if r["precision"] == precision), flush=True)
     keras.mixed_precision.set_global_policy("float32")
-    del tf
     path = f"{spec['out_prefix']}-{rank}.json"
     with open(path + ".tmp", "w") as f:
         json.dump({"rank": rank, "runs": runs}, f)

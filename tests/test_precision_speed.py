@@ -1,0 +1,25 @@
+"""Smoke test of launch/precision_speed.py: one tiny step per precision."""
+
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_reports_each_precision_against_the_first(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    process = subprocess.run(
+        [sys.executable, "-m", "launch.precision_speed", "--model=alexnet_bn",
+         "--image_size=67", "--fc_units=8", "--num_classes=10",
+         "--batch_size=2", "--steps=1", "--warmup_steps=1", "--rounds=1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert process.returncode == 0, process.stdout[-4000:]
+    lines = process.stdout.splitlines()
+    assert any(l.startswith("alexnet_bn, 67x67, batch 2, 1 x 1 timed steps")
+               for l in lines)
+    f32 = [l for l in lines if l.startswith("  float32 ")]
+    bf16 = [l for l in lines if l.startswith("  mixed_bfloat16 ")]
+    assert len(f32) == 1 and "1.00x float32" in f32[0]
+    assert len(bf16) == 1 and "images/s" in bf16[0]
