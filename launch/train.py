@@ -101,6 +101,7 @@ flags.DEFINE_enum(
     "epoch otherwise. Other workers are silent.",
 )
 FLAGS = flags.FLAGS
+flags.adopt_module_key_flags(optimization)  # list them in --help too
 
 
 def validate_flags():

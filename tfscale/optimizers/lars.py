@@ -108,8 +108,9 @@ class LARS(keras.optimizers.Optimizer):
     Precision: the update is always computed in at least float32. The
     gradient and the learning rate are cast to the variable's dtype (float32
     master weights under the `mixed_float16` / `mixed_bfloat16` policies,
-    where `model.compile` wraps this optimizer in a `LossScaleOptimizer` for
-    float16 and the gradients arrive unscaled); should a variable itself be
+    where under float16 it runs inside a `LossScaleOptimizer` (use
+    `tfscale.optimizers.LossScaleOptimizer` with several workers) and the
+    gradients arrive unscaled); should a variable itself be
     float16 or bfloat16, the norms, the trust ratio and the update are still
     computed in float32 and only the result is cast back. Computing the
     trust ratio in float16 overflows or underflows for realistic layer norms
