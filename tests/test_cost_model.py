@@ -136,3 +136,24 @@ def test_config_round_trip():
     assert CostModel.from_config(MODEL.get_config()) == MODEL
     assert MODEL.get_config() == {"intra": {"alpha": 1e-5, "beta": 1e-9},
                                   "inter": {"alpha": 1e-4, "beta": 1e-8}}
+
+
+def test_hybrid_follows_a_fitted_model_whose_crossover_runs_the_other_way():
+    # Parameters fit on the emulated 2x2 cluster (docs/bench): the ring wins
+    # small buffers, hierarchical wins large ones. A single "hierarchical
+    # below the threshold" cut would send everything by ring.
+    from tfscale import collectives
+    from tfscale.collectives import topology as topology_lib
+
+    model = cost_model.CostModel(
+        intra=cost_model.Link(alpha=0.0029104346163692494, beta=3.428418420562053e-09),
+        inter=cost_model.Link(alpha=0.0014266266428584898, beta=4.5121468928260926e-08),
+    )
+    nodes = [2, 2]
+    big, small = 32 * 2**20, 4
+    assert model.predict("hierarchical", big, nodes) < model.predict("ring", big, nodes)
+    assert model.predict("ring", small, nodes) <= model.predict("hierarchical", small, nodes)
+    topology = topology_lib.from_hosts(["a", "a", "b", "b"], rank=0)
+    buckets = collectives.plan([big // 4, small // 4], ["float32", "float32"], topology,
+                               "hybrid", fusion_threshold_bytes=big // 4, cost_model=model)
+    assert [b.algorithm for b in buckets] == ["hierarchical", "ring"]

@@ -43,8 +43,8 @@ class CommunicationOptions:
         fusion_threshold_bytes: buffer size at which a fused buffer is closed
             and sent; 0 sends each tensor on its own.
         hybrid_threshold_bytes: `"hybrid"` only: bytes on the wire at which a
-            buffer goes by ring instead of hierarchical. `None`: where
-            `cost_model` predicts the ring becomes faster.
+            buffer goes by ring instead of hierarchical. `None`: each buffer
+            takes the algorithm `cost_model` predicts faster.
         local_size: workers per node. `None`: workers on the same host in
             TF_CONFIG form a node. Otherwise consecutive workers are grouped
             `local_size` at a time (4 workers on one host with `local_size=2`

@@ -114,7 +114,8 @@ def plan(
         algorithm: one of `ALGORITHMS`.
         fusion_threshold_bytes: see `fusion.bucket_indices`.
         hybrid_threshold_bytes: for "hybrid": wire bytes at which a bucket
-            goes by ring instead of hierarchical; `None`: from the cost model.
+            goes by ring instead of hierarchical; `None`: each bucket takes
+            the algorithm the cost model predicts faster.
         compression: `None` or one of `COMPRESSIONS`; applies to float32
             buckets of more than one element.
         cost_model: a `cost_model.CostModel` for the hybrid threshold and
@@ -138,7 +139,15 @@ def plan(
             wire_dtype = compression_lib.wire_dtype(dtype, compression)
         wire_bytes = size // dtype.size * wire_dtype.size
         chosen = algorithm
-        if algorithm == "hybrid":
+        if algorithm == "hybrid" and hybrid_threshold_bytes is None:
+            # The cost model decides each bucket by predicted time: its
+            # crossover may run either way (a fitted model can favour the ring
+            # for small buffers and hierarchical for large ones).
+            node_sizes = topology.node_sizes
+            faster = model.predict("hierarchical", wire_bytes, node_sizes) < (
+                model.predict("ring", wire_bytes, node_sizes))
+            chosen = "hierarchical" if faster else "ring"
+        elif algorithm == "hybrid":
             chosen = "hierarchical" if wire_bytes < threshold else "ring"
         # A shape known only at run time (a data batch Keras reduces once)
         # cannot be split into static chunks or shards; a ring handles it.
@@ -308,7 +317,9 @@ class AllReduce:
             return
         self._logged.add(key)
         threshold = ""
-        if self.algorithm == "hybrid":
+        if self.algorithm == "hybrid" and self.threshold_source != "given":
+            threshold = ", hybrid: each bucket by the cost model's faster prediction"
+        elif self.algorithm == "hybrid":
             value = self.threshold_bytes
             shown = (
                 "none (hierarchical at every size)" if value == math.inf
