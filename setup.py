@@ -25,6 +25,7 @@ setuptools.setup(
         "absl-py",
         "tensorboard",  # tf.summary's writer; tensorflow-cpu does not bring it
         "scikit-learn",
+        "scipy",  # cost_model.fit's least squares (imported directly)
         "numpy",
         "matplotlib",  # launch/large_batch_study.py's plot
     ],
