@@ -23,6 +23,11 @@ global policy float32 or mixed_bfloat16):
   a step (the part not hidden behind computation).
 - images/s = N x per-worker batch / T_step(N); scaling efficiency
   e = images/s(N) / (N x images/s(1)) with images/s(1) from `single`.
+- tfscale only, measured inside the step: each worker's wait on all-reduces
+  after its gradients are ready (`Strategy.exposed_communication_seconds`).
+  Its median over steps of the least-waiting worker (the one the others wait
+  for) is the communication not hidden behind backprop, without the CPU
+  contention that T_step(N) - T_compute also counts.
 """
 
 import json
@@ -56,11 +61,11 @@ def run_worker(spec):
         keras.mixed_precision.set_global_policy(precision)
         barrier()
         runs.append({"precision": precision, "phase": "compute",
-                     "step_seconds": _fit(spec, None)})
+                     **_fit(spec, None)})
         if strategy is not None:
             barrier()
             runs.append({"precision": precision, "phase": "distributed",
-                         "step_seconds": _fit(spec, strategy)})
+                         **_fit(spec, strategy)})
         if rank == 0:
             print(f"{spec['name']} {precision}: " + ", ".join(
                 f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
@@ -106,7 +111,12 @@ def _barrier(strategy):
 
 
 def _fit(spec, strategy):
-    """Seconds of each timed step of `model.fit`; alone when `strategy` is None."""
+    """Timed steps of `model.fit`; alone when `strategy` is None.
+
+    Returns:
+        `{"step_seconds": [...]}`, plus `"exposed_comm_seconds": [...]` (per
+        step, measured in the step) under a `tfscale.Strategy`.
+    """
     import contextlib
 
     import keras
@@ -114,14 +124,20 @@ def _fit(spec, strategy):
     import models
     from tfscale import data
 
+    exposed = getattr(strategy, "exposed_communication_seconds", None)
+
     class StepTimer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
+            if exposed is not None:
+                self.exposed_before = exposed.numpy()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter() - self.start)
+            if exposed is not None:
+                waits.append(float(exposed.numpy() - self.exposed_before))
 
-    times = []
+    times, waits = [], []
     size = spec["image_size"]
     options = {"fc_units": spec["fc_units"]} if spec["model"] == "alexnet_bn" else {}
     keras.utils.set_random_seed(0)
@@ -139,7 +155,10 @@ def _fit(spec, strategy):
             lambda context: data.synthetic(global_batch, size, input_context=context))
     model.fit(dataset, epochs=1, steps_per_epoch=spec["warmup_steps"] + spec["steps"],
               callbacks=[StepTimer()], verbose=0)
-    return times[spec["warmup_steps"]:]
+    timed = {"step_seconds": times[spec["warmup_steps"]:]}
+    if exposed is not None:
+        timed["exposed_comm_seconds"] = waits[spec["warmup_steps"]:]
+    return timed
 
 
 def configs(algorithms, compressions):
@@ -171,6 +190,11 @@ def summarize(single, launches, num_workers, per_worker_batch):
             compute = [_run(o, precision, "compute") for o in outputs]
             step, per_step = bench_stats.median_of_max(dist)
             t_compute = max(statistics.median(c) for c in compute)
+            waits = [_run(o, precision, "distributed", "exposed_comm_seconds")
+                     for o in outputs]
+            in_step = None
+            if all(waits):
+                in_step = statistics.median(min(w) for w in zip(*waits))
             throughput = num_workers * per_worker_batch / step
             rows.append({
                 "config": name, "precision": precision, "num_workers": num_workers,
@@ -178,6 +202,7 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "step_seconds": step, "step_seconds_per_step": per_step,
                 "compute_seconds": t_compute,
                 "exposed_comm_seconds": step - t_compute,
+                "exposed_comm_in_step_seconds": in_step,
                 "images_per_second": throughput,
                 "single_worker_step_seconds": t1[precision],
                 "single_worker_images_per_second": per_worker_batch / t1[precision],
@@ -191,23 +216,30 @@ def summarize(single, launches, num_workers, per_worker_batch):
     return rows
 
 
-def _run(output, precision, phase):
+def _run(output, precision, phase, key="step_seconds"):
+    """A worker's per-step `key` values in one run; [] where it has none
+    (stock has no in-step wait)."""
     for run in output["runs"]:
         if run["precision"] == precision and run["phase"] == phase:
-            return run["step_seconds"]
+            return run.get(key, [])
     raise RuntimeError(f"Worker {output['rank']} has no {phase} run for {precision}.")
 
 
 def table(rows):
+    def ms(seconds):
+        return None if seconds is None else seconds * 1e3
+
     lines = [[r["config"], r["precision"], r["step_seconds"] * 1e3,
               r["compute_seconds"] * 1e3, r["exposed_comm_seconds"] * 1e3,
-              r["exposed_vs_stock"], r["images_per_second"],
+              r["exposed_vs_stock"], ms(r.get("exposed_comm_in_step_seconds")),
+              r["images_per_second"],
               r["single_worker_images_per_second"], r["scaling_efficiency"],
               r["efficiency_vs_contended_compute"]] for r in rows]
     return bench_stats.format_table(
         ["config", "precision", "step (ms)", "compute (ms)", "exposed comm (ms)",
-         "exposed vs stock", "images/s", "1 worker images/s", "e", "e vs compute"],
-        lines, ["<", "<"] + [">"] * 8)
+         "exposed vs stock", "in-step wait (ms)", "images/s", "1 worker images/s",
+         "e", "e vs compute"],
+        lines, ["<", "<"] + [">"] * 9)
 
 
 def main(flags_values, launch_workers, context):
@@ -258,6 +290,9 @@ def main(flags_values, launch_workers, context):
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
           "on the machine; e vs compute = compute / step")
+    print("# in-step wait (tfscale only) = Strategy.exposed_communication_seconds "
+          "per step: time from the last gradient ready to the last all-reduce "
+          "done, median over steps of the least-waiting worker")
     print(table(rows), flush=True)
     if flags_values.output:
         directory = os.path.dirname(os.path.abspath(flags_values.output))

@@ -93,7 +93,8 @@ flags.DEFINE_float(
 flags.DEFINE_string(
     "tensorboard_dir", None,
     "Where the chief writes per-step TensorBoard scalars: images/second, "
-    "learning rate, loss scale, loss.",
+    "learning rate, loss scale, loss, and exposed communication seconds (the "
+    "chief's wait on all-reduces after its gradients are ready).",
 )
 flags.DEFINE_enum(
     "verbose", "auto", ["auto", "0", "1", "2"],
@@ -267,7 +268,7 @@ def train():
     ]
     if chief and FLAGS.tensorboard_dir:
         fit_callbacks.append(callbacks.TensorBoardScalars(
-            FLAGS.tensorboard_dir, FLAGS.global_batch_size))
+            FLAGS.tensorboard_dir, FLAGS.global_batch_size, strategy))
     if FLAGS.model_dir:
         fit_callbacks.append(checkpoint.BackupAndResume(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps))

@@ -149,6 +149,8 @@ def test_train_reports_throughput_efficiency_and_exposed_communication(tmp_path)
     assert row["config"] == "ring" and row["precision"] == "float32"
     assert row["exposed_comm_seconds"] == pytest.approx(
         row["step_seconds"] - row["compute_seconds"])
+    # Measured inside the step by tfscale.Strategy: part of the step.
+    assert 0 < row["exposed_comm_in_step_seconds"] < row["step_seconds"]
     assert row["images_per_second"] == pytest.approx(4 / row["step_seconds"])
     assert row["scaling_efficiency"] == pytest.approx(
         row["images_per_second"] / (2 * row["single_worker_images_per_second"]))

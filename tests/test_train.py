@@ -92,10 +92,19 @@ def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):
                    "tfscale-train", "--epochs=1", *SMALL, "--export_dir=",
                    f"--tensorboard_dir={board}"], cwd=tmp_path, timeout=360)
     assert process.returncode == 0, process.stdout[-4000:]
-    tags = {}
+    tags, values = {}, {}
     for event_file in board.iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(event_file)):
             for value in event.summary.value:
                 tags.setdefault(value.tag, []).append(event.step)
-    assert {"images_per_second", "learning_rate", "loss"} <= tags.keys()
+                values.setdefault(value.tag, {})[event.step] = float(
+                    tf.make_ndarray(value.tensor))
+    assert {"images_per_second", "learning_rate", "loss",
+            "exposed_communication_seconds"} <= tags.keys()
     assert sorted(tags["learning_rate"]) == [1, 2, 3, 4]
+    assert sorted(tags["exposed_communication_seconds"]) == [1, 2, 3, 4]
+    # Each step waits a little on its all-reduces, never longer than the step
+    # (images/s comes from the time between consecutive steps: from step 2).
+    exposed = values["exposed_communication_seconds"]
+    for step, images_per_second in values["images_per_second"].items():
+        assert 0 < exposed[step] < 32 / images_per_second, (step, exposed, values)

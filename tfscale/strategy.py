@@ -243,6 +243,11 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
                 "tfscale needs one replica per chief/worker task. "
                 f"Received: cluster_spec={cluster_spec!r}"
             )
+        with tf.device(devices[0]):
+            self._exposed_communication_seconds = tf.Variable(
+                0.0, dtype=tf.float64, trainable=False,
+                name="exposed_communication_seconds",
+            )
         self._tfscale_all_reduce = collectives.AllReduce(
             topology,
             algorithm=communication.algorithm,
@@ -251,6 +256,7 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
             compression=communication.compression,
             cost_model=communication.cost_model,
             log_plans=self.is_chief,
+            exposed_seconds=self._exposed_communication_seconds,
         )
         self._tfscale_cross_device_ops = _tf_private.install_cross_device_ops(
             self,
@@ -261,6 +267,20 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
             logging.info(
                 "tfscale.Strategy: %s; %s.", topology.describe(), communication
             )
+
+    @property
+    def exposed_communication_seconds(self):
+        """Seconds this worker has waited on all-reduces, in total.
+
+        A float64 `tf.Variable` to which every all-reduce tfscale runs
+        (gradients, and the scalars Keras and the loss scale reduce) adds the
+        time from its last input being ready to its last result being ready:
+        the communication not hidden behind computing those inputs, plus any
+        wait for slower workers. The difference of two readings around a step
+        is that step's exposed communication;
+        `tfscale.callbacks.TensorBoardScalars` writes it per step.
+        """
+        return self._exposed_communication_seconds
 
     @property
     def num_workers(self):

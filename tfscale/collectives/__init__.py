@@ -163,6 +163,12 @@ def plan(
     return buckets
 
 
+def _timestamp_after(tensors):
+    """Seconds since the epoch, taken once every one of `tensors` is ready."""
+    with tf.control_dependencies(tensors):
+        return tf.timestamp()
+
+
 def describe_plan(buckets):
     """One line per bucket, for the log."""
     lines = []
@@ -250,12 +256,17 @@ class AllReduce:
         compression: see `plan`.
         cost_model: see `plan`.
         log_plans: whether to log each new plan (set it on the chief only).
+        exposed_seconds: `None`, or a float64 `tf.Variable` to which each call
+            adds its exposed communication time: the seconds from the moment
+            the last of its inputs is ready to the moment the last of its
+            results is. Buckets reduced while backprop still runs are hidden
+            from it; waiting for a slower worker is not.
     """
 
     def __init__(
         self, topology, algorithm, fusion_threshold_bytes,
         hybrid_threshold_bytes=None, compression=None, cost_model=None,
-        log_plans=False,
+        log_plans=False, exposed_seconds=None,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -270,6 +281,7 @@ class AllReduce:
         self.compression = compression
         self.cost_model = cost_model or cost_model_lib.DEFAULT
         self.log_plans = log_plans
+        self.exposed_seconds = exposed_seconds
         # Resolved once: the cost model's search is not free, and the log
         # should say where the value came from.
         self.threshold_bytes, self.threshold_source = (None, None)
@@ -306,9 +318,14 @@ class AllReduce:
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
         self._log(buckets)
+        if self.exposed_seconds is not None:
+            inputs_ready = _timestamp_after(tensors)
         reduced = fused_all_reduce(
             backward, self.groups(world), buckets, self.compression
         )
+        if self.exposed_seconds is not None:
+            # A stateful op: tf.function runs it although nothing consumes it.
+            self.exposed_seconds.assign_add(_timestamp_after(reduced) - inputs_ready)
         return list(reversed(reduced))
 
     def _log(self, buckets):

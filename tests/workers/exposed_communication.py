@@ -1,0 +1,84 @@
+"""Trains with worker 1 held back and reports each worker's exposed
+communication per step, read from `Strategy.exposed_communication_seconds`.
+
+Worker 1 sleeps --delay seconds in its forward pass every step, so worker 0's
+gradients are ready that much earlier and its all-reduce waits for worker 1's;
+worker 1's own wait is only the (tiny) all-reduce.
+"""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import app
+from absl import flags
+
+import keras
+import tfscale
+from report import report
+
+flags.DEFINE_float("delay", 1.0, "Seconds worker 1 sleeps in each forward pass.")
+flags.DEFINE_string("algorithm", "ring", "tfscale.CommunicationOptions algorithm.")
+FLAGS = flags.FLAGS
+
+STEPS, GLOBAL_BATCH = 5, 16
+
+
+class HoldBack(keras.layers.Layer):
+    """Identity that first sleeps `delay` seconds (once its input is ready)."""
+
+    def __init__(self, delay, **kwargs):
+        super().__init__(**kwargs)
+        self.delay = delay
+
+    def call(self, x):
+        def sleep(value):
+            time.sleep(self.delay)
+            return tf.zeros_like(value)
+
+        slept = tf.py_function(sleep, [x], x.dtype)
+        return x + tf.stop_gradient(tf.reshape(slept, tf.shape(x)))
+
+
+class PerStep(keras.callbacks.Callback):
+    def __init__(self, total):
+        super().__init__()
+        self.total = total
+        self.seconds = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before = self.total.numpy()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seconds.append(float(self.total.numpy() - self.before))
+
+
+def dataset_fn(input_context):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.integers(0, 4, 64)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
+    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
+                    drop_remainder=True)
+
+
+def main(argv):
+    strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
+        algorithm=FLAGS.algorithm, local_size=1, timeout_seconds=120))
+    delay = FLAGS.delay if strategy.worker_index == 1 else 0.0
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            HoldBack(delay), keras.layers.Dense(4)])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    per_step = PerStep(strategy.exposed_communication_seconds)
+    model.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1,
+              steps_per_epoch=STEPS, verbose=0, callbacks=[per_step])
+    report({"worker_index": strategy.worker_index, "seconds": per_step.seconds})
+
+
+if __name__ == "__main__":
+    app.run(main)
