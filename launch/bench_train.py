@@ -23,11 +23,12 @@ global policy float32 or mixed_bfloat16):
   a step (the part not hidden behind computation).
 - images/s = N x per-worker batch / T_step(N); scaling efficiency
   e = images/s(N) / (N x images/s(1)) with images/s(1) from `single`.
-- tfscale only, measured inside the step: each worker's wait on all-reduces
-  after its gradients are ready (`Strategy.exposed_communication_seconds`).
-  Its median over steps of the least-waiting worker (the one the others wait
-  for) is the communication not hidden behind backprop, without the CPU
-  contention that T_step(N) - T_compute also counts.
+- measured inside the step: each worker's wait on all-reduces after its
+  gradients are ready (`tfscale.Strategy.exposed_communication_seconds`;
+  stock's own all-reduce is timed by the same ops). Its median over steps of
+  the least-waiting worker (the one the others wait for) is the communication
+  not hidden behind backprop, without the CPU contention that
+  T_step(N) - T_compute also counts.
 """
 
 import json
@@ -46,6 +47,7 @@ def run_worker(spec):
     if spec["kind"] == "stock":
         strategy = _stock_strategy_class()()
         rank = strategy.cluster_resolver.task_id or 0
+        _time_stock_all_reduces(strategy)
     elif spec["kind"] == "tfscale":
         import tfscale
 
@@ -97,6 +99,19 @@ def _stock_strategy_class():
             return tf.nest.map_structure(reduce_one, value)
 
     return StockStrategy
+
+
+def _time_stock_all_reduces(strategy):
+    """Gives a stock strategy the `exposed_communication_seconds` of tfscale's,
+    timed the same way around TF's own all-reduce (which stays as it is)."""
+    import tensorflow as tf
+
+    from tfscale import _tf_private
+
+    with tf.device(strategy.extended.worker_devices[0]):
+        strategy.exposed_communication_seconds = tf.Variable(0.0, dtype=tf.float64,
+                                                             trainable=False)
+    _tf_private.time_stock_all_reduces(strategy, strategy.exposed_communication_seconds)
 
 
 def _barrier(strategy):
@@ -209,10 +224,12 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
-    stock = {r["precision"]: r["exposed_comm_seconds"] for r in rows if r["config"] == "stock"}
-    for row in rows:
-        base = stock.get(row["precision"])
-        row["exposed_vs_stock"] = row["exposed_comm_seconds"] / base if base else None
+    for key in ("exposed_comm_seconds", "exposed_comm_in_step_seconds"):
+        stock = {r["precision"]: r[key] for r in rows if r["config"] == "stock"}
+        for row in rows:
+            base, value = stock.get(row["precision"]), row[key]
+            row[key.replace("_seconds", "_vs_stock")] = (
+                value / base if base and value is not None else None)
     return rows
 
 
@@ -231,15 +248,16 @@ def table(rows):
 
     lines = [[r["config"], r["precision"], r["step_seconds"] * 1e3,
               r["compute_seconds"] * 1e3, r["exposed_comm_seconds"] * 1e3,
-              r["exposed_vs_stock"], ms(r.get("exposed_comm_in_step_seconds")),
+              r["exposed_comm_vs_stock"], ms(r["exposed_comm_in_step_seconds"]),
+              r["exposed_comm_in_step_vs_stock"],
               r["images_per_second"],
               r["single_worker_images_per_second"], r["scaling_efficiency"],
               r["efficiency_vs_contended_compute"]] for r in rows]
     return bench_stats.format_table(
         ["config", "precision", "step (ms)", "compute (ms)", "exposed comm (ms)",
-         "exposed vs stock", "in-step wait (ms)", "images/s", "1 worker images/s",
-         "e", "e vs compute"],
-        lines, ["<", "<"] + [">"] * 9)
+         "exposed vs stock", "in-step wait (ms)", "in-step vs stock", "images/s",
+         "1 worker images/s", "e", "e vs compute"],
+        lines, ["<", "<"] + [">"] * 10)
 
 
 def main(flags_values, launch_workers, context):
@@ -290,9 +308,10 @@ def main(flags_values, launch_workers, context):
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
           "on the machine; e vs compute = compute / step")
-    print("# in-step wait (tfscale only) = Strategy.exposed_communication_seconds "
-          "per step: time from the last gradient ready to the last all-reduce "
-          "done, median over steps of the least-waiting worker")
+    print("# in-step wait = exposed_communication_seconds per step (stock: its own "
+          "all-reduce, timed alike): time from the last gradient ready to the last "
+          "all-reduce done, median over steps of the least-waiting worker; "
+          "in-step vs stock = in-step wait / stock's")
     print(table(rows), flush=True)
     if flags_values.output:
         directory = os.path.dirname(os.path.abspath(flags_values.output))

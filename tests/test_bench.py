@@ -143,14 +143,17 @@ def test_train_reports_throughput_efficiency_and_exposed_communication(tmp_path)
     output = tmp_path / "train.json"
     bench(tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
           "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
-          "--warmup_steps=1", "--precisions=float32", "--algorithms=ring",
+          "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,ring",
           f"--output={output}")
-    (row,) = json.loads(output.read_text())
+    stock, row = json.loads(output.read_text())
+    assert stock["config"] == "stock" and 0 < stock["exposed_comm_in_step_seconds"]
     assert row["config"] == "ring" and row["precision"] == "float32"
     assert row["exposed_comm_seconds"] == pytest.approx(
         row["step_seconds"] - row["compute_seconds"])
-    # Measured inside the step by tfscale.Strategy: part of the step.
+    # Measured inside the step, for stock and tfscale alike: part of the step.
     assert 0 < row["exposed_comm_in_step_seconds"] < row["step_seconds"]
+    assert row["exposed_comm_in_step_vs_stock"] == pytest.approx(
+        row["exposed_comm_in_step_seconds"] / stock["exposed_comm_in_step_seconds"])
     assert row["images_per_second"] == pytest.approx(4 / row["step_seconds"])
     assert row["scaling_efficiency"] == pytest.approx(
         row["images_per_second"] / (2 * row["single_worker_images_per_second"]))

@@ -17,6 +17,8 @@ from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
 
+from tfscale import collectives
+
 # Versions whose private APIs this module was written and tested against.
 TESTED_VERSIONS = {"tensorflow": "2.21.", "keras": "3.15."}
 
@@ -254,6 +256,44 @@ def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds):
     )
     extended._cross_device_ops = ops
     return ops
+
+
+class _TimedCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
+    """MWMS's own `CollectiveAllReduce`, each batch timed as tfscale's are."""
+
+    def __init__(self, stock, communication_options, collective_keys,
+                 exposed_seconds):
+        super().__init__(
+            devices=stock._devices,
+            group_size=stock._group_size,
+            options=communication_options,
+            collective_keys=collective_keys,
+        )
+        self._exposed_seconds = exposed_seconds
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        parent = super()._all_reduce
+        return collectives.timed_all_reduce(
+            lambda v: parent(reduce_op, v, replica_id, options),
+            value, self._exposed_seconds,
+        )
+
+
+def time_stock_all_reduces(strategy, exposed_seconds):
+    """Makes a stock MWMS add its all-reduces' exposed time to a variable.
+
+    Its algorithm is unchanged (TensorFlow's own collectives, packed as its
+    `CommunicationOptions` say); only the timestamps of
+    `tfscale.collectives.timed_all_reduce` are added, so benchmarks measure
+    stock and tfscale alike.
+    """
+    extended = strategy.extended
+    extended._cross_device_ops = _TimedCollectiveAllReduce(
+        stock=extended._cross_device_ops,
+        communication_options=extended._communication_options,
+        collective_keys=extended._collective_keys,
+        exposed_seconds=exposed_seconds,
+    )
 
 
 def cluster_spec_dict(strategy):

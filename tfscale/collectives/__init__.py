@@ -163,10 +163,23 @@ def plan(
     return buckets
 
 
-def _timestamp_after(tensors):
-    """Seconds since the epoch, taken once every one of `tensors` is ready."""
-    with tf.control_dependencies(tensors):
-        return tf.timestamp()
+def timed_all_reduce(reduce_fn, tensors, exposed_seconds):
+    """`reduce_fn(tensors)`, adding its exposed communication time to a variable.
+
+    Adds to `exposed_seconds` (a float64 `tf.Variable`) the seconds from the
+    moment the last of `tensors` is ready to the moment the last result is:
+    the part of the all-reduce not overlapped with computing its inputs.
+
+    Returns:
+        What `reduce_fn` returns (tensors, or a nest of them).
+    """
+    with tf.control_dependencies(tf.nest.flatten(tensors)):
+        inputs_ready = tf.timestamp()
+    reduced = reduce_fn(tensors)
+    with tf.control_dependencies(tf.nest.flatten(reduced)):
+        # A stateful op: tf.function runs it although nothing consumes it.
+        exposed_seconds.assign_add(tf.timestamp() - inputs_ready)
+    return reduced
 
 
 def describe_plan(buckets):
@@ -257,10 +270,9 @@ class AllReduce:
         cost_model: see `plan`.
         log_plans: whether to log each new plan (set it on the chief only).
         exposed_seconds: `None`, or a float64 `tf.Variable` to which each call
-            adds its exposed communication time: the seconds from the moment
-            the last of its inputs is ready to the moment the last of its
-            results is. Buckets reduced while backprop still runs are hidden
-            from it; waiting for a slower worker is not.
+            adds its exposed communication time (see `timed_all_reduce`).
+            Buckets reduced while backprop still runs are hidden from it;
+            waiting for a slower worker is not.
     """
 
     def __init__(
@@ -318,15 +330,16 @@ class AllReduce:
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
         self._log(buckets)
-        if self.exposed_seconds is not None:
-            inputs_ready = _timestamp_after(tensors)
-        reduced = fused_all_reduce(
-            backward, self.groups(world), buckets, self.compression
-        )
-        if self.exposed_seconds is not None:
-            # A stateful op: tf.function runs it although nothing consumes it.
-            self.exposed_seconds.assign_add(_timestamp_after(reduced) - inputs_ready)
-        return list(reversed(reduced))
+        def reduce_fn(backward):
+            return fused_all_reduce(
+                backward, self.groups(world), buckets, self.compression
+            )
+
+        if self.exposed_seconds is None:
+            return list(reversed(reduce_fn(backward)))
+        return list(reversed(
+            timed_all_reduce(reduce_fn, backward, self.exposed_seconds)
+        ))
 
     def _log(self, buckets):
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
