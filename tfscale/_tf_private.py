@@ -6,7 +6,9 @@ needs both. Those uses are confined to this module so that a TensorFlow or
 Keras upgrade has one place to check. They are tested against the versions
 pinned in setup.py; tests/test_strategy.py fails loudly if Keras stops routing
 gradients through the hook
-(test_gradients_are_routed_through_tfscale_cross_device_ops).
+(test_gradients_are_routed_through_tfscale_cross_device_ops), and
+tests/test_bench.py if the benchmarks' timing of stock MWMS stops being called
+(test_train_reports_throughput_efficiency_and_exposed_communication).
 """
 
 import keras
