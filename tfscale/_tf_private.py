@@ -202,26 +202,15 @@ class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):
     keep TensorFlow's own path.
 
     Args:
-        stock: the `CollectiveAllReduce` MWMS built; its devices, group and
-            collective keys are reused so the group key stays the same.
-        communication_options: the `tf.distribute.experimental.
-            CommunicationOptions` MWMS was created with.
-        collective_keys: MWMS's `CollectiveKeys`.
         all_reduce_fn: `fn(tensors, group) -> tensors` that sums a list of dense
             tensors over `group` (a `CollectiveGroup` of all workers).
         timeout_seconds: collective timeout for tfscale's own collectives.
+        **stock_args: what MWMS built its own `CollectiveAllReduce` with
+            (`_stock_args`), so that the group key stays the same.
     """
 
-    def __init__(
-        self, stock, communication_options, collective_keys, all_reduce_fn,
-        timeout_seconds,
-    ):
-        super().__init__(
-            devices=stock._devices,
-            group_size=stock._group_size,
-            options=communication_options,
-            collective_keys=collective_keys,
-        )
+    def __init__(self, all_reduce_fn, timeout_seconds, **stock_args):
+        super().__init__(**stock_args)
         self._all_reduce_fn = all_reduce_fn
         self._groups = [
             CollectiveGroup(launcher, timeout_seconds)
@@ -243,34 +232,33 @@ class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):
         return nest.pack_sequence_as(value, reduced)
 
 
+def _stock_args(strategy):
+    """The arguments MWMS built its `CollectiveAllReduce` with: its devices,
+    group size, communication options and collective keys."""
+    extended = strategy.extended
+    return dict(
+        devices=extended._cross_device_ops._devices,
+        group_size=extended._cross_device_ops._group_size,
+        options=extended._communication_options,
+        collective_keys=extended._collective_keys,
+    )
+
+
 def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds):
     """Makes `strategy` (an MWMS) reduce through `all_reduce_fn`.
 
     Returns the installed `CrossDeviceOps`.
     """
-    extended = strategy.extended
-    ops = CrossDeviceOps(
-        stock=extended._cross_device_ops,
-        communication_options=extended._communication_options,
-        collective_keys=extended._collective_keys,
-        all_reduce_fn=all_reduce_fn,
-        timeout_seconds=timeout_seconds,
-    )
-    extended._cross_device_ops = ops
+    ops = CrossDeviceOps(all_reduce_fn, timeout_seconds, **_stock_args(strategy))
+    strategy.extended._cross_device_ops = ops
     return ops
 
 
 class _TimedCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
     """MWMS's own `CollectiveAllReduce`, each batch timed as tfscale's are."""
 
-    def __init__(self, stock, communication_options, collective_keys,
-                 exposed_seconds):
-        super().__init__(
-            devices=stock._devices,
-            group_size=stock._group_size,
-            options=communication_options,
-            collective_keys=collective_keys,
-        )
+    def __init__(self, exposed_seconds, **stock_args):
+        super().__init__(**stock_args)
         self._exposed_seconds = exposed_seconds
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
@@ -289,12 +277,8 @@ def time_stock_all_reduces(strategy, exposed_seconds):
     `tfscale.collectives.timed_all_reduce` are added, so benchmarks measure
     stock and tfscale alike.
     """
-    extended = strategy.extended
-    extended._cross_device_ops = _TimedCollectiveAllReduce(
-        stock=extended._cross_device_ops,
-        communication_options=extended._communication_options,
-        collective_keys=extended._collective_keys,
-        exposed_seconds=exposed_seconds,
+    strategy.extended._cross_device_ops = _TimedCollectiveAllReduce(
+        exposed_seconds, **_stock_args(strategy)
     )
 
 
