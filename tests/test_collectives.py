@@ -387,12 +387,21 @@ def test_bucket_all_reduces_overlap_backprop(tmp_path):
     """Tensor fusion's point, timed inside the step: the first bucket (the
     last layers) is summed while backprop is still producing the gradients of
     the first layers. Buckets in forward order, or one wait for every gradient
-    before any all-reduce, would leave no gap (see the worker's docstring)."""
+    before any all-reduce, would leave no gap (see the worker's docstring).
+
+    A worker that runs ahead waits for its peer's first bucket, so in each
+    step the worker that came last (the larger gap) is the one to judge; on
+    2 busy cores the collective's threads can also be starved until backprop
+    ends, so some steps show no gap either way. Without overlap every gap is
+    about 0 (the two timestamps run back to back)."""
     run = run_workers("collectives_overlap.py", 2, tmp_path, timeout=180)
     assert_succeeded(run)
+    per_worker = []
     for result in run.results:
         assert len(result["buckets"]) >= 6  # 4 MiB buckets of 4 MiB kernels
         gaps = result["first_sum_before_last_gradient_ms"][1:]  # after tracing
         print(f"worker {result['worker_index']}: first bucket summed this many ms "
               f"before the last gradient, per step: {[round(g, 1) for g in gaps]}")
-        assert sorted(gaps)[len(gaps) // 2] > 5.0  # median step
+        per_worker.append(gaps)
+    overlapped = [max(step) for step in zip(*per_worker) if max(step) > 20.0]
+    assert len(overlapped) >= 2, per_worker

@@ -25,7 +25,7 @@ import tfscale
 from report import report
 from tfscale import collectives
 
-LAYERS, WIDTH, GLOBAL_BATCH, STEPS = 8, 1024, 2048, 6
+LAYERS, WIDTH, GLOBAL_BATCH, STEPS = 8, 1024, 2048, 8
 
 
 def dataset_fn(input_context):
