@@ -9,6 +9,8 @@ trains alone). Worker 0, the chief, prints progress and writes the export.
         --manual_dir=/data/imagenet --global_batch_size=1024 --epochs=90
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -18,91 +20,27 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from launch import optimization  # defines --optimizer, --precision, ...
 from launch import preflight
+from launch import train_flags
 
-flags.DEFINE_string("model", "alexnet_bn", "Model: alexnet_bn or resnet50.")
-flags.DEFINE_string("dataset", "digits", "Data set: digits, imagenet or synthetic.")
-flags.DEFINE_string("data_dir", None, "tensorflow-datasets data_dir (imagenet).")
-flags.DEFINE_string(
-    "manual_dir", None,
-    "Directory holding ILSVRC2012_img_{train,val}.tar (imagenet); default "
-    "<data_dir>/downloads/manual.",
-)
-flags.DEFINE_integer("global_batch_size", 64, "Examples per step over all workers.")
-flags.DEFINE_integer("epochs", 10, "Training epochs.")
-flags.DEFINE_integer(
-    "steps_per_epoch", 0,
-    "Steps per epoch; 0: one pass over the training split (required for synthetic).",
-)
-flags.DEFINE_float("learning_rate", 0.05, "Learning rate (SGD with momentum).")
-flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
-flags.DEFINE_integer(
-    "fc_units", 0,
-    "alexnet_bn's fully connected width; 0: 4096 as published, or 512 on "
-    "digits (10 classes of 8x8 images need no more).",
-)
-flags.DEFINE_integer(
-    "image_size", 0, "Side of the square model input; 0: the data set's default."
-)
-flags.DEFINE_integer("seed", 0, "Seed of weights and data order (same on all workers).")
-flags.DEFINE_string(
-    "model_dir", None,
-    "Directory for checkpoints of the whole training state (every "
-    "--checkpoint_steps, chief only, atomic). Relaunching the same command "
-    "resumes from the newest one. On a cluster: storage every worker can read.",
-)
-flags.DEFINE_integer(
-    "checkpoint_steps", 100, "Steps between checkpoints in --model_dir.", lower_bound=1
-)
-flags.DEFINE_string(
-    "export_dir", "tfscale_export",
-    "Where the chief writes the SavedModel (uint8 images in, probabilities out).",
-)
-flags.DEFINE_enum(
-    "cluster_resolver", "tf_config", ["tf_config", "slurm"],
-    "Where the cluster comes from: TF_CONFIG (Kubernetes/Kubeflow TFJob, "
-    "tfscale-launch) or SLURM's environment (one task per worker, srun).",
-)
-flags.DEFINE_enum(
-    "algorithm", "hybrid", ["ring", "hierarchical", "2d", "hybrid"],
-    "All-reduce algorithm per fused buffer (tfscale.CommunicationOptions).",
-)
-flags.DEFINE_integer(
-    "hybrid_threshold_bytes", None,
-    "--algorithm=hybrid only: buffers of at least this many bytes on the wire go "
-    "by ring, smaller ones hierarchical; unset: from the cost model.",
-    lower_bound=0,
-)
-flags.DEFINE_integer(
-    "local_size", None,
-    "Workers per node; unset: workers on one host in TF_CONFIG form a node.",
-    lower_bound=1,
-)
-flags.DEFINE_enum(
-    "compression", None, ["bfloat16", "float16"],
-    "Send float32 gradients in this 16-bit type; unset: float32.",
-)
-flags.DEFINE_integer(
-    "fusion_threshold_bytes", 32 * 1024 * 1024, "Gradient fusion buffer size."
-)
-flags.DEFINE_float(
-    "collective_timeout", 300,
-    "Seconds a collective may wait for the other workers before the job fails.",
-)
-flags.DEFINE_string(
-    "tensorboard_dir", None,
-    "Where the chief writes per-step TensorBoard scalars: images/second, "
-    "learning rate, loss scale, loss, and exposed communication seconds (the "
-    "chief's wait on all-reduces after its gradients are ready).",
-)
-flags.DEFINE_enum(
-    "verbose", "auto", ["auto", "0", "1", "2"],
-    "Chief's Keras verbosity; auto: a progress bar on a terminal, a line per "
-    "epoch otherwise. Other workers are silent.",
-)
 FLAGS = flags.FLAGS
-flags.adopt_module_key_flags(optimization)  # list them in --help too
+
+
+class BadInputError(Exception):
+    """Input found bad after start-up: reported in one line, no traceback."""
+
+
+@contextlib.contextmanager
+def input_checks():
+    """Turns what the library's input checks raise into `BadInputError`.
+
+    Only around setup (cluster, data, model, settings): the same error types
+    raised later in training would be defects, and keep their traceback.
+    """
+    try:
+        yield
+    except (ValueError, NotImplementedError, FileNotFoundError) as error:
+        raise BadInputError(str(error)) from error
 
 
 def validate_flags():
@@ -125,28 +63,21 @@ def validate_flags():
     for name in ("epochs", "global_batch_size"):
         if getattr(FLAGS, name) < 1:
             raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}.")
-    if FLAGS.learning_rate <= 0:
-        raise app.UsageError(f"--learning_rate must be > 0, got {FLAGS.learning_rate}.")
     if FLAGS.hybrid_threshold_bytes is not None and FLAGS.algorithm != "hybrid":
         raise app.UsageError(
             "--hybrid_threshold_bytes applies only to --algorithm=hybrid, got "
             f"--algorithm={FLAGS.algorithm}."
         )
     try:
+        train_flags.settings_from_flags()
         preflight.check_tf_config()
         preflight.check_writable_dir("model_dir", FLAGS.model_dir)
         preflight.check_writable_dir("export_dir", FLAGS.export_dir)
         preflight.check_writable_dir("tensorboard_dir", FLAGS.tensorboard_dir)
         if FLAGS.dataset == "imagenet":
             data.check_imagenet_source(FLAGS.data_dir, FLAGS.manual_dir)
-    except (preflight.PreflightError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError) as error:  # PreflightError too
         raise app.UsageError(str(error)) from None
-
-
-# Flags whose values may differ between workers without changing the training
-# (paths can be local to each machine).
-_LOCAL_FLAGS = {"data_dir", "manual_dir", "model_dir", "export_dir", "verbose",
-                "cluster_resolver", "tensorboard_dir"}
 
 
 def shared_settings():
@@ -156,19 +87,12 @@ def shared_settings():
 
     import tfscale
 
-    settings = {
-        flag.name: flag.value
-        for module, module_flags in FLAGS.flags_by_module_dict().items()
-        if not module.startswith("absl.")  # absl's own: logging, help
-        for flag in module_flags
-        if flag.name not in _LOCAL_FLAGS
-    }
-    settings.update(
+    return dict(
+        train_flags.shared_flags(),
         tfscale_version=tfscale.__version__,
         tensorflow_version=tf.__version__,
         keras_version=keras.__version__,
     )
-    return settings
 
 
 def model_options():
@@ -179,21 +103,16 @@ def model_options():
     return {"fc_units": fc_units}
 
 
-def train():
-    import keras
+def strategy_from_flags():
+    """The `tfscale.Strategy` of the cluster and communication flags."""
     import tensorflow as tf
 
-    import models
     import tfscale
-    from tfscale import agreement
-    from tfscale import callbacks
-    from tfscale import checkpoint
-    from tfscale import data
 
     resolver = None
     if FLAGS.cluster_resolver == "slurm":
         resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
-    strategy = tfscale.Strategy(
+    return tfscale.Strategy(
         cluster_resolver=resolver,
         communication=tfscale.CommunicationOptions(
             algorithm=FLAGS.algorithm,
@@ -204,98 +123,193 @@ def train():
             timeout_seconds=FLAGS.collective_timeout,
         )
     )
-    chief = strategy.is_chief
-    if not chief:
-        logging.set_verbosity(logging.WARNING)
-    agreement.check_settings_agree(strategy, shared_settings())
-    num_workers = strategy.num_workers
-    dataset_spec = data.spec(FLAGS.dataset)
-    image_size = FLAGS.image_size or dataset_spec.default_image_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The checked data set: what the model, the fit and the export need."""
+
+    spec: object  # tfscale.data's spec of the data set
+    image_size: int
+    steps_per_epoch: int
+    eval_split: str  # None: no evaluation split
+
+
+def check_data(num_workers):
+    """`Data` of the flags; raises ValueError if the workers cannot share it."""
+    from tfscale import data
+
+    spec = data.spec(FLAGS.dataset)
     train_examples = data.num_examples(FLAGS.dataset, "train", FLAGS.data_dir)
     data.check_batch(FLAGS.global_batch_size, num_workers, train_examples, "train")
-    steps_per_epoch = FLAGS.steps_per_epoch or train_examples // FLAGS.global_batch_size
     eval_split = {"digits": "test", "imagenet": "validation"}.get(FLAGS.dataset)
     if eval_split:
         data.check_batch(FLAGS.global_batch_size, num_workers,
                          data.num_examples(FLAGS.dataset, eval_split), eval_split)
+    return Data(
+        spec=spec,
+        image_size=FLAGS.image_size or spec.default_image_size,
+        steps_per_epoch=(FLAGS.steps_per_epoch
+                         or train_examples // FLAGS.global_batch_size),
+        eval_split=eval_split,
+    )
 
-    def distributed(split, start_step=0):
-        def make(input_context):
-            return data.load(
-                FLAGS.dataset, split, FLAGS.global_batch_size, image_size,
-                input_context=input_context, seed=FLAGS.seed, start_step=start_step,
-                data_dir=FLAGS.data_dir, manual_dir=FLAGS.manual_dir,
-            )
-        return strategy.distribute_datasets_from_function(make)
+
+def distributed(strategy, data_plan, split, start_step=0):
+    """`split` as this worker's share of each global batch."""
+    from tfscale import data
+
+    def make(input_context):
+        return data.load(
+            FLAGS.dataset, split, FLAGS.global_batch_size, data_plan.image_size,
+            input_context=input_context, seed=FLAGS.seed, start_step=start_step,
+            data_dir=FLAGS.data_dir, manual_dir=FLAGS.manual_dir,
+        )
+    return strategy.distribute_datasets_from_function(make)
+
+
+def check_resume_settings(settings):
+    """Refuses to resume from checkpoints trained with other settings."""
+    from tfscale import checkpoint
+    from tfscale import recipes
+
+    if FLAGS.model_dir and checkpoint.latest(FLAGS.model_dir)[0]:
+        recipes.check_settings_unchanged(
+            FLAGS.model_dir, settings, **train_flags.training_from_flags())
+
+
+def build_model(strategy, settings, data_plan):
+    """The compiled model, restored from `--model_dir`, and its step."""
+    import keras
+
+    import models
+    from tfscale import checkpoint
+    from tfscale import recipes
 
     keras.utils.set_random_seed(FLAGS.seed)
-    optimization.set_precision()  # before the model: layers take the policy
+    recipes.set_precision(settings)  # before the model: layers take the policy
+    spec = data_plan.spec
     with strategy.scope():
         model = models.get(
             FLAGS.model,
-            num_classes=dataset_spec.num_classes,
-            input_shape=(image_size, image_size, dataset_spec.channels),
+            num_classes=spec.num_classes,
+            input_shape=(data_plan.image_size, data_plan.image_size, spec.channels),
             **model_options(),
         )
+        optimizer, _ = recipes.make_optimizer(
+            settings, FLAGS.global_batch_size, data_plan.steps_per_epoch,
+            FLAGS.epochs)
         model.compile(
-            optimizer=optimization.build_optimizer(
-                FLAGS.global_batch_size, steps_per_epoch, FLAGS.epochs
-            )[0],
+            optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
         # Inside the scope: restoring creates the optimizer's slot variables.
         start_step = checkpoint.restore(model, FLAGS.model_dir) if FLAGS.model_dir else 0
-    if chief:
-        logging.info(
-            "Training %s on %s: %d worker(s), global batch %d (%d per worker), "
-            "%d steps/epoch, %d epochs, %s, %s.",
-            FLAGS.model, FLAGS.dataset, num_workers, FLAGS.global_batch_size,
-            FLAGS.global_batch_size // num_workers, steps_per_epoch, FLAGS.epochs,
-            strategy.communication,
-            optimization.describe(FLAGS.global_batch_size),
-        )
-        if start_step:
-            logging.info("Resuming from the checkpoint of step %d in %s.",
-                         start_step, FLAGS.model_dir)
-    verbose = FLAGS.verbose
-    if verbose == "auto":
-        verbose = 1 if sys.stdout.isatty() else 2
-    fit_callbacks = [
+    return model, start_step
+
+
+def fit_callbacks(strategy):
+    """The callbacks of every fit: safety, progress, statistics, checkpoints."""
+    from tfscale import callbacks
+    from tfscale import checkpoint
+
+    result = [
         checkpoint.TerminateOnNonFiniteLoss(),  # before any save of a bad step
         callbacks.Throughput(FLAGS.global_batch_size),
         callbacks.SyncBatchNormStatistics(strategy),
     ]
-    if chief and FLAGS.tensorboard_dir:
-        fit_callbacks.append(callbacks.TensorBoardScalars(
+    if strategy.is_chief and FLAGS.tensorboard_dir:
+        result.append(callbacks.TensorBoardScalars(
             FLAGS.tensorboard_dir, FLAGS.global_batch_size, strategy))
     if FLAGS.model_dir:
-        fit_callbacks.append(checkpoint.BackupAndResume(
+        result.append(checkpoint.BackupAndResume(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps))
-    # A run resumed mid-epoch first finishes that epoch, then runs whole ones;
-    # each part reads the data from the step it starts at.
+    return result
+
+
+def fit_parts(start_step, steps_per_epoch, epochs):
+    """`(initial_epoch, epochs, steps_per_epoch)` of each fit from `start_step`.
+
+    A run resumed mid-epoch first finishes that epoch, then runs whole ones.
+    """
     start_epoch, done_in_epoch = divmod(start_step, steps_per_epoch)
     parts = []
     if done_in_epoch:
         parts.append((start_epoch, start_epoch + 1, steps_per_epoch - done_in_epoch))
         start_epoch += 1
-    if start_epoch < FLAGS.epochs:
-        parts.append((start_epoch, FLAGS.epochs, steps_per_epoch))
-    for initial_epoch, epochs, steps in parts:
+    if start_epoch < epochs:
+        parts.append((start_epoch, epochs, steps_per_epoch))
+    return parts
+
+
+def fit_with_resume(model, strategy, data_plan, start_step):
+    """Trains from `start_step` to the end of `--epochs`."""
+    verbose = FLAGS.verbose
+    if verbose == "auto":
+        verbose = 1 if sys.stdout.isatty() else 2
+    callbacks = fit_callbacks(strategy)
+    eval_split = data_plan.eval_split
+    steps_per_epoch = data_plan.steps_per_epoch
+    for initial_epoch, epochs, steps in fit_parts(
+            start_step, steps_per_epoch, FLAGS.epochs):
+        # Each part reads the data from the step it starts at.
         model.fit(
-            distributed("train", start_step),
+            distributed(strategy, data_plan, "train", start_step),
             initial_epoch=initial_epoch,
             epochs=epochs,
             steps_per_epoch=steps,
-            validation_data=distributed(eval_split) if eval_split else None,
-            callbacks=fit_callbacks,
-            verbose=int(verbose) if chief else 0,
+            validation_data=(distributed(strategy, data_plan, eval_split)
+                             if eval_split else None),
+            callbacks=callbacks,
+            verbose=int(verbose) if strategy.is_chief else 0,
         )
         start_step = epochs * steps_per_epoch
+
+
+def log_start(strategy, settings, data_plan, start_step):
+    """The chief's line saying what trains, and from which checkpoint."""
+    from tfscale import recipes
+
+    num_workers = strategy.num_workers
+    logging.info(
+        "Training %s on %s: %d worker(s), global batch %d (%d per worker), "
+        "%d steps/epoch, %d epochs, %s, %s.",
+        FLAGS.model, FLAGS.dataset, num_workers, FLAGS.global_batch_size,
+        FLAGS.global_batch_size // num_workers, data_plan.steps_per_epoch,
+        FLAGS.epochs, strategy.communication,
+        recipes.describe(settings, FLAGS.global_batch_size),
+    )
+    if start_step:
+        logging.info("Resuming from the checkpoint of step %d in %s.",
+                     start_step, FLAGS.model_dir)
+
+
+def train():
+    """Sets up from the flags (bad input: `BadInputError`), trains, exports."""
+    from tfscale import agreement
+    from tfscale import callbacks
+    from tfscale import recipes
+
+    with input_checks():
+        strategy = strategy_from_flags()
+        if not strategy.is_chief:
+            logging.set_verbosity(logging.WARNING)
+        agreement.check_settings_agree(strategy, shared_settings())
+        settings = train_flags.settings_from_flags()
+        data_plan = check_data(strategy.num_workers)
+        check_resume_settings(settings)
+        model, start_step = build_model(strategy, settings, data_plan)
+    if strategy.is_chief:
+        log_start(strategy, settings, data_plan, start_step)
+        if FLAGS.model_dir:  # a resume compares against these
+            recipes.write_settings(FLAGS.model_dir, settings,
+                                   **train_flags.training_from_flags())
+    fit_with_resume(model, strategy, data_plan, start_step)
     # Every worker: the export takes the chief's BatchNorm statistics.
     callbacks.batch_norm_synchronizer(model, strategy)()
-    if chief and FLAGS.export_dir:
-        export_on_chief(model, dataset_spec, image_size)
+    if strategy.is_chief and FLAGS.export_dir:
+        export_on_chief(model, data_plan.spec, data_plan.image_size)
 
 
 def export_on_chief(model, dataset_spec, image_size):
@@ -325,7 +339,6 @@ def describe_failure(error):
     """A one-paragraph explanation of why training stopped."""
     import tensorflow as tf
 
-    from tfscale import agreement
     from tfscale import checkpoint
 
     if isinstance(error, checkpoint.NonFiniteLossError):
@@ -334,7 +347,7 @@ def describe_failure(error):
             step, _ = checkpoint.latest(FLAGS.model_dir)
             kept = f" The last good checkpoint (step {step}) in {FLAGS.model_dir} is kept."
         return f"{error}{kept}"
-    if isinstance(error, (agreement.SettingsMismatchError, FileNotFoundError)):
+    if isinstance(error, (BadInputError, FileNotFoundError)):
         return str(error)
     if isinstance(error, tf.errors.OpError):
         # Collective errors name the peer's task where gRPC knows it.
@@ -375,11 +388,14 @@ def main(argv):
         message = describe_failure(error)
         if message is None:
             raise
-        logging.error("%s", message)
+        # The message says it all; the traceback is for debugging (-v=1).
+        logging.debug("tfscale-train stopped:", exc_info=True)
         sys.exit(f"tfscale-train: {message}")
 
 
 def run():
+    """tfscale-train's entry point: defines the flags, then parses and runs."""
+    train_flags.define_flags()
     app.run(main)
 
 

@@ -1,11 +1,14 @@
-"""Tests for launch/recipes.py: Settings -> optimizer and schedule."""
+"""Tests for tfscale/recipes.py: Settings, their file, optimizer, schedule."""
+
+import json
+import os
 
 import keras
 import numpy as np
 import pytest
 
 import tfscale
-from launch import recipes
+from tfscale import recipes
 from tfscale import schedules
 
 
@@ -113,13 +116,13 @@ def test_warmup_longer_than_training_is_refused(schedule):
     settings = recipes.Settings(lr_schedule=schedule, warmup_epochs=3)
     with pytest.raises(ValueError, match=(
             r"`warmup_epochs` must be shorter than training for "
-            rf"lr_schedule='{schedule}'. Received: warmup_epochs=3, "
+            rf"lr_schedule='{schedule}'. Received: warmup_epochs=3.0, "
             r"epochs=3")):
         recipes.make_schedule(settings, 64, 10, 3)
 
 
 def test_recipe_values():
-    """The published numbers, as cited in launch/recipes.py."""
+    """The published numbers, as cited in tfscale/recipes.py."""
     r = recipes.RECIPES["resnet50_lars_32k"]
     assert (r["learning_rate"], r["warmup_epochs"], r["weight_decay"],
             r["base_batch_size"], r["lars_epsilon"],
@@ -143,5 +146,116 @@ def test_bad_settings_are_refused():
         recipes.Settings(optimizer="adam")
     with pytest.raises(ValueError, match=r"Received: precision='float16'"):
         recipes.Settings(precision="float16")
-    with pytest.raises(ValueError, match=r"Received: learning_rate=0"):
+    with pytest.raises(ValueError, match=(
+            r"`learning_rate` must be a number > 0. Received: learning_rate=0")):
         recipes.Settings(learning_rate=0)
+    with pytest.raises(ValueError, match=(
+            r"`momentum` must be a number in \[0, 1\]. Received: momentum=1.5")):
+        recipes.Settings(momentum=1.5)
+    with pytest.raises(ValueError, match=(
+            r"`weight_decay` must be a number >= 0. Received: weight_decay=True")):
+        recipes.Settings(weight_decay=True)
+    with pytest.raises(ValueError, match=(
+            r"`base_batch_size` must be an integer >= 1. "
+            r"Received: base_batch_size=256.0")):
+        recipes.Settings(base_batch_size=256.0)
+    with pytest.raises(ValueError, match=(
+            r"`scale_lr` must be a boolean. Received: scale_lr='yes'")):
+        recipes.Settings(scale_lr="yes")
+
+
+def test_sgd_with_weight_decay_is_not_named_sgd():
+    optimizer, _ = recipes.make_optimizer(
+        recipes.Settings(weight_decay=1e-4), 64, 10, 2)
+    assert type(optimizer) is tfscale.optimizers.LARS
+    assert optimizer.name == "LARS"
+
+
+def test_settings_round_trip_through_json():
+    settings = recipes.Settings.from_recipe(
+        "resnet50_lars_32k", scale_lr=True, precision="mixed_bfloat16")
+    config = json.loads(json.dumps(settings.get_config()))
+    assert recipes.Settings.from_config(config) == settings
+    assert recipes.Settings.from_config(config).get_config() == config
+    # Integers given for float fields come back as the same floats.
+    assert recipes.Settings(learning_rate=10).get_config()["learning_rate"] == 10.0
+    assert type(recipes.Settings(learning_rate=10).learning_rate) is float
+
+
+def test_from_recipe_takes_the_recipe_and_overrides():
+    settings = recipes.Settings.from_recipe("alexnet_bn_lars_8k",
+                                            warmup_epochs=1.0)
+    recipe = recipes.RECIPES["alexnet_bn_lars_8k"]
+    assert settings.recipe == "alexnet_bn_lars_8k"
+    assert settings.warmup_epochs == 1.0
+    assert settings.learning_rate == recipe["learning_rate"]
+    assert settings.precision == recipes.Settings().precision  # not in it
+    with pytest.raises(ValueError, match=(
+            r"`name` must be one of \['resnet50_lars_32k', .*\]. "
+            r"Received: name='resnet50_lars_64k'")):
+        recipes.Settings.from_recipe("resnet50_lars_64k")
+    with pytest.raises(ValueError, match=(
+            r"`config` must hold only Settings fields \(optimizer, .*\). "
+            r"Received: config with label_smoothing")):
+        recipes.Settings.from_recipe("resnet50_lars_4k", label_smoothing=0.1)
+
+
+def test_set_precision_and_describe():
+    settings = recipes.Settings(precision="mixed_float16", scale_lr=True,
+                                learning_rate=0.1, optimizer="lars")
+    recipes.set_precision(settings)
+    assert keras.mixed_precision.global_policy().name == "mixed_float16"
+    assert recipes.describe(settings, 1024) == (
+        "optimizer lars (momentum 0.9, eeta 0.001), lr constant 0.4 "
+        "(= 0.1 x 1024/256), precision mixed_float16 with dynamic loss "
+        "scaling")
+    assert recipes.describe(settings) == (
+        "optimizer lars (momentum 0.9, eeta 0.001), lr constant 0.1 x "
+        "batch/256, precision mixed_float16 with dynamic loss scaling")
+
+
+def test_settings_file_round_trip(tmp_path):
+    settings = recipes.Settings.from_recipe("resnet50_lars_4k")
+    recipes.write_settings(str(tmp_path / "run"), settings, model="resnet50",
+                           global_batch_size=4096)
+    assert os.listdir(tmp_path / "run") == [recipes.SETTINGS_FILE]  # no tmp
+    assert recipes.read_settings(str(tmp_path / "run")) == (
+        settings, {"model": "resnet50", "global_batch_size": 4096})
+    with pytest.raises(FileNotFoundError):
+        recipes.read_settings(str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match=(
+            r"`training` must not repeat Settings fields. "
+            r"Received: learning_rate=1.0")):
+        recipes.write_settings(str(tmp_path), settings, learning_rate=1.0)
+
+
+def test_settings_differences_name_each_change():
+    saved = (recipes.Settings(), {"model": "alexnet_bn", "epochs": 10})
+    current = (recipes.Settings(learning_rate=0.1),
+               {"model": "alexnet_bn", "epochs": 12, "seed": 1})
+    assert recipes.settings_differences(saved, current) == [
+        "epochs: 10 saved, 12 now",
+        "learning_rate: 0.05 saved, 0.1 now",
+        "seed: '<unset>' saved, 1 now",
+    ]
+    assert recipes.settings_differences(saved, saved) == []
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    directory = str(tmp_path)
+    settings = recipes.Settings(optimizer="lars")
+    # Nothing saved yet: nothing to compare.
+    recipes.check_settings_unchanged(directory, settings, global_batch_size=64)
+    recipes.write_settings(directory, settings, global_batch_size=64)
+    recipes.check_settings_unchanged(directory, settings, global_batch_size=64)
+    with pytest.raises(recipes.SettingsChangedError) as raised:
+        recipes.check_settings_unchanged(
+            directory, recipes.Settings(optimizer="lars", warmup_epochs=1.0),
+            global_batch_size=128)
+    assert str(raised.value) == (
+        f"The checkpoints in {directory} were written with other settings; "
+        "resume with the settings they were written with, or train in "
+        "another directory:\n"
+        "  global_batch_size: 64 saved, 128 now\n"
+        "  warmup_epochs: 0.0 saved, 1.0 now")
+    assert "--" not in str(raised.value)  # the library names no flags

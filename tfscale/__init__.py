@@ -9,6 +9,7 @@
 from tfscale import callbacks
 from tfscale import data
 from tfscale import optimizers
+from tfscale import recipes
 from tfscale import schedules
 from tfscale.strategy import CommunicationOptions
 from tfscale.strategy import Strategy

@@ -1,8 +1,17 @@
-"""What decides the optimizer, its schedule and precision: `Settings`,
-published `RECIPES`, and the functions that turn them into Keras objects.
+"""Large-batch recipes: `Settings`, the published `RECIPES`, and the
+optimizer, learning-rate schedule and precision policy they describe.
 
-Free of flags, so scripts other than tfscale-train can use it
-(`launch.optimization` maps tfscale-train's flags onto it).
+```python
+settings = tfscale.recipes.Settings.from_recipe("resnet50_lars_32k",
+                                                scale_lr=True)
+tfscale.recipes.set_precision(settings)  # before building the model
+with strategy.scope():
+    model = ...
+    optimizer, _ = tfscale.recipes.make_optimizer(
+        settings, global_batch_size, steps_per_epoch, epochs)
+    model.compile(optimizer=optimizer, ...)
+tfscale.recipes.write_settings(model_dir, settings)  # a resume compares
+```
 
 Weight decay (`Settings.weight_decay = wd`) has one meaning for both
 optimizers: L2 added to the gradient before the update, `g <- g + wd * w`,
@@ -12,25 +21,41 @@ trust ratio; with SGD it is LARS with every trust ratio fixed at 1, which is
 exactly SGD with momentum on the decayed gradient
 (`v = m * v + lr * g; w = w - v`). An L2 term `wd / 2 * ||w||^2` in the loss
 would give the same gradient.
+
+A run's settings go to `SETTINGS_FILE` in its checkpoint directory
+(`write_settings`); a run resuming from those checkpoints with other
+settings is refused with the differences (`check_settings_unchanged`), as
+tf-models keeps `params.yaml` beside its checkpoints.
 """
 
 import dataclasses
+import json
+import math
+import numbers
+import os
+import uuid
+
+import keras
+
+from tfscale import optimizers
+from tfscale import schedules
 
 OPTIMIZERS = ("sgd", "lars")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 LR_SCHEDULES = ("constant", "warmup_poly", "one_cycle")
 
 # Published large-batch settings. Each number is copied from the source named
-# in the comment next to it; where a source gives no value the key is absent
-# and the flag's own value applies.
+# in the comment next to it (the `--flags` there are the source's own); where a
+# source gives no value the key is absent and the `Settings` default applies.
 RECIPES = {
     # MLPerf Training v0.6, Google's ResNet-50 submission at batch 32K
     # (mlcommons/training_results_v0.6,
     # Google/benchmarks/resnet/tpu-v3-1024/run_and_time.sh and its
     # implementations/tpu-v3-1024-resnet/resnet/lars_util.py). Published but
-    # not set here: --label_smoothing=0.1 (tfscale-train has no label
-    # smoothing) and --train_steps=2983 (about 76 epochs: set --epochs). That
-    # code also adds weight_decay * l2 to the loss; tfscale applies it once.
+    # not set here: --label_smoothing=0.1 (tfscale has no label smoothing)
+    # and --train_steps=2983 (about 76 epochs: the `epochs` of training).
+    # That code also adds weight_decay * l2 to the loss; tfscale applies it
+    # once.
     "resnet50_lars_32k": {
         "optimizer": "lars",  # --enable_lars=True
         "base_batch_size": 32768,  # --train_batch_size=32768
@@ -112,13 +137,37 @@ RECIPES = {
 # 64K recipe.
 
 
+SETTINGS_FILE = "settings.json"
+
+# Fields by the check they take: (name, rule, test).
+_ENUMS = (("optimizer", OPTIMIZERS), ("precision", PRECISIONS),
+          ("lr_schedule", LR_SCHEDULES), ("recipe", ("none", *RECIPES)))
+_FLOATS = (
+    ("learning_rate", "a number > 0", lambda v: v > 0),
+    # Keras's SGD and tfscale's LARS both refuse momentum outside [0, 1].
+    ("momentum", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+    ("warmup_epochs", "a number >= 0", lambda v: v >= 0),
+    ("end_learning_rate", "a number >= 0", lambda v: v >= 0),
+    ("poly_power", "a number >= 0", lambda v: v >= 0),
+    ("weight_decay", "a number >= 0", lambda v: v >= 0),
+    ("eeta", "a number >= 0", lambda v: v >= 0),
+    ("lars_epsilon", "a number >= 0", lambda v: v >= 0),
+)
+
+
+def _is_number(value):
+    # bool is an int in Python; a rate of True is a mistake.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything that decides the optimizer, its schedule and precision.
 
-    The fields mirror tfscale-train's flags of the same name, and the
-    defaults are its defaults (plain SGD, momentum 0.9, constant 0.05,
-    float32).
+    The defaults are plain SGD with momentum 0.9 at a constant learning rate
+    of 0.05 in float32 (tfscale-train's defaults). `from_recipe` starts from
+    a published recipe instead; `get_config`/`from_config` round-trip
+    through JSON.
 
     Attributes:
         optimizer: "sgd" or "lars".
@@ -136,6 +185,13 @@ class Settings:
         eeta: LARS trust coefficient.
         lars_epsilon: LARS: added to the gradient norm in the trust ratio.
         recipe: name of the `RECIPES` entry the values came from, or "none".
+
+    Example:
+
+    ```python
+    settings = Settings.from_recipe("resnet50_lars_4k", warmup_epochs=2.0)
+    assert Settings.from_config(settings.get_config()) == settings
+    ```
     """
 
     optimizer: str = "sgd"
@@ -154,26 +210,64 @@ class Settings:
     recipe: str = "none"
 
     def __post_init__(self):
-        for name, allowed in (("optimizer", OPTIMIZERS),
-                              ("precision", PRECISIONS),
-                              ("lr_schedule", LR_SCHEDULES),
-                              ("recipe", ("none", *RECIPES))):
+        for name, allowed in _ENUMS:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(
                     f"`{name}` must be one of {list(allowed)}. "
                     f"Received: {name}={value!r}"
                 )
-        if self.learning_rate <= 0:
-            raise ValueError("`learning_rate` must be > 0. "
-                             f"Received: learning_rate={self.learning_rate!r}")
+        for name, rule, ok in _FLOATS:
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value) and ok(value)):
+                raise ValueError(
+                    f"`{name}` must be {rule}. Received: {name}={value!r}")
+            # Frozen: store 10 as 10.0 so that equal settings compare and
+            # serialize alike.
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.scale_lr, bool):
+            raise ValueError("`scale_lr` must be a boolean. "
+                             f"Received: scale_lr={self.scale_lr!r}")
+        value = self.base_batch_size
+        if not (isinstance(value, numbers.Integral)
+                and not isinstance(value, bool) and value >= 1):
+            raise ValueError("`base_batch_size` must be an integer >= 1. "
+                             f"Received: base_batch_size={value!r}")
+        object.__setattr__(self, "base_batch_size", int(value))
+
+    @classmethod
+    def from_recipe(cls, name, **overrides):
+        """The settings of `RECIPES[name]`, with `overrides` replacing some.
+
+        Args:
+            name: a key of `RECIPES`.
+            **overrides: `Settings` fields that win over the recipe's
+                values; fields neither sets keep their defaults.
+        """
+        if name not in RECIPES:
+            raise ValueError(f"`name` must be one of {list(RECIPES)}. "
+                             f"Received: name={name!r}")
+        return cls.from_config({**RECIPES[name], "recipe": name, **overrides})
+
+    def get_config(self):
+        """The fields as a JSON-serializable dict (`from_config` inverts it)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config):
+        """`Settings` from a dict of fields, as `get_config` returns it."""
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(config) - set(names))
+        if unknown:
+            raise ValueError(
+                f"`config` must hold only Settings fields ({', '.join(names)})."
+                f" Received: config with {', '.join(unknown)}")
+        return cls(**config)
 
     def peak_learning_rate(self, global_batch_size):
-        """The learning rate after warmup (linearly scaled with --scale_lr)."""
+        """The learning rate after warmup (linearly scaled if `scale_lr`)."""
         if not self.scale_lr:
-            return float(self.learning_rate)
-        from tfscale import schedules
-
+            return self.learning_rate
         return schedules.linear_scaling(
             self.learning_rate, global_batch_size, self.base_batch_size)
 
@@ -194,8 +288,6 @@ def make_schedule(settings, global_batch_size, steps_per_epoch, epochs):
         steps_per_epoch: optimizer steps per epoch.
         epochs: the length of training; the schedule ends with it.
     """
-    from tfscale import schedules
-
     peak = settings.peak_learning_rate(global_batch_size)
     total_steps = steps_per_epoch * epochs
     warmup_steps = schedules.epochs_to_steps(settings.warmup_epochs,
@@ -236,14 +328,16 @@ def make_optimizer(settings, global_batch_size, steps_per_epoch, epochs):
     otherwise wrap it in its own, which deadlocks across workers when one
     overflows). Build it inside `strategy.scope()`.
 
+    Args:
+        settings: a `Settings`.
+        global_batch_size: examples per step over all workers.
+        steps_per_epoch: optimizer steps per epoch.
+        epochs: the length of training; decaying schedules end with it.
+
     Returns:
         `(optimizer, learning_rate)`: the optimizer to pass to `compile`,
         and the float or `LearningRateSchedule` it uses.
     """
-    import keras
-
-    from tfscale import optimizers
-
     learning_rate = make_schedule(
         settings, global_batch_size, steps_per_epoch, epochs)
     if settings.optimizer == "lars":
@@ -256,13 +350,13 @@ def make_optimizer(settings, global_batch_size, steps_per_epoch, epochs):
         )
     elif settings.weight_decay:
         # Trust ratio 1 everywhere: SGD with momentum on g + wd * w, with
-        # LARS's exclusion of biases and BatchNorm from the decay.
+        # LARS's exclusion of biases and BatchNorm from the decay. It keeps
+        # LARS's name: it is a LARS instance.
         optimizer = optimizers.LARS(
             learning_rate=learning_rate,
             momentum=settings.momentum,
             weight_decay_rate=settings.weight_decay,
             exclude_from_layer_adaptation=[".*"],
-            name="SGD",
         )
     else:
         optimizer = keras.optimizers.SGD(
@@ -270,3 +364,132 @@ def make_optimizer(settings, global_batch_size, steps_per_epoch, epochs):
     if settings.precision == "mixed_float16":
         optimizer = optimizers.LossScaleOptimizer(optimizer)
     return optimizer, learning_rate
+
+
+def set_precision(settings):
+    """Sets Keras's global dtype policy to `settings.precision`.
+
+    Call it before building the model: layers take the policy when created.
+    """
+    keras.mixed_precision.set_global_policy(settings.precision)
+
+
+def describe(settings, global_batch_size=None):
+    """One line saying which optimizer, schedule and precision are in use.
+
+    Args:
+        settings: a `Settings`.
+        global_batch_size: shows the linearly scaled learning rate if given.
+    """
+    s = settings
+    parts = [f"optimizer {s.optimizer} (momentum {s.momentum:g}"]
+    if s.weight_decay:
+        parts.append(f", weight decay {s.weight_decay:g} except bias/BN")
+    if s.optimizer == "lars":
+        parts.append(f", eeta {s.eeta:g}")
+        if s.lars_epsilon:
+            parts.append(f", epsilon {s.lars_epsilon:g}")
+    parts.append(f"), lr {s.lr_schedule} ")
+    if s.scale_lr and global_batch_size:
+        peak = s.peak_learning_rate(global_batch_size)
+        parts.append(f"{peak:g} (= {s.learning_rate:g} x {global_batch_size}"
+                     f"/{s.base_batch_size})")
+    elif s.scale_lr:
+        parts.append(f"{s.learning_rate:g} x batch/{s.base_batch_size}")
+    else:
+        parts.append(f"{s.learning_rate:g}")
+    if s.warmup_epochs:
+        parts.append(f", warmup {s.warmup_epochs:g} epochs")
+    if s.lr_schedule == "warmup_poly":
+        parts.append(f", power {s.poly_power:g} to {s.end_learning_rate:g}")
+    parts.append(f", precision {s.precision}")
+    if s.precision == "mixed_float16":
+        parts.append(" with dynamic loss scaling")
+    if s.recipe != "none":
+        parts.append(f", recipe {s.recipe}")
+    return "".join(parts)
+
+
+class SettingsChangedError(ValueError):
+    """A run would resume from checkpoints written with other settings."""
+
+
+def write_settings(directory, settings, **training):
+    """Writes `settings` and `training` to `directory/SETTINGS_FILE`.
+
+    Atomic: the JSON goes to a temporary file that then replaces the old
+    one, so a reader sees the old file or the new one, never a part.
+
+    Args:
+        directory: the run's checkpoint directory (created if missing).
+        settings: a `Settings`.
+        **training: other JSON values that decide the training and must
+            not change on resume (model, data set, global batch size, ...).
+    """
+    clash = sorted(set(training) & set(settings.get_config()))
+    if clash:
+        raise ValueError(
+            "`training` must not repeat Settings fields. Received: "
+            + ", ".join(f"{name}={training[name]!r}" for name in clash))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, SETTINGS_FILE)
+    partial = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            json.dump({"settings": settings.get_config(), "training": training},
+                      f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def read_settings(directory):
+    """`(settings, training)` as `write_settings` wrote them in `directory`.
+
+    Raises:
+        FileNotFoundError: `directory` holds no `SETTINGS_FILE`.
+    """
+    with open(os.path.join(directory, SETTINGS_FILE), encoding="utf-8") as f:
+        saved = json.load(f)
+    return Settings.from_config(saved["settings"]), saved["training"]
+
+
+def settings_differences(saved, current):
+    """Lines `name: <saved> saved, <current> now`, one per differing value.
+
+    Args:
+        saved: `(settings, training)` as `read_settings` returns them.
+        current: `(settings, training)` of the run about to start.
+    """
+    def flat(pair):
+        settings, training = pair
+        return {**settings.get_config(), **training}
+
+    before, now = flat(saved), flat(current)
+    return [f"{name}: {before.get(name, '<unset>')!r} saved, "
+            f"{now.get(name, '<unset>')!r} now"
+            for name in sorted(set(before) | set(now))
+            if before.get(name, "<unset>") != now.get(name, "<unset>")]
+
+
+def check_settings_unchanged(directory, settings, **training):
+    """Refuses to resume from `directory` with settings other than its own.
+
+    Does nothing when `directory` holds no saved settings.
+
+    Raises:
+        SettingsChangedError: listing every difference.
+    """
+    try:
+        saved = read_settings(directory)
+    except FileNotFoundError:
+        return
+    lines = settings_differences(saved, (settings, training))
+    if lines:
+        raise SettingsChangedError(
+            f"The checkpoints in {directory} were written with other "
+            "settings; resume with the settings they were written with, or "
+            "train in another directory:\n  " + "\n  ".join(lines))

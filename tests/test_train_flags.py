@@ -1,17 +1,22 @@
-"""Tests for launch/optimization.py: tfscale-train's flags -> optimizer."""
+"""Tests for launch/train_flags.py: tfscale-train's flags -> the library."""
+
+import os
+import subprocess
+import sys
 
 import keras
 import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-import launch.train  # noqa: F401  (defines --learning_rate, --momentum)
 import tfscale
-from launch import optimization
-from launch import recipes
+from launch import train_flags
+from tfscale import recipes
 from tfscale import schedules
 
 FLAGS = flags.FLAGS
+train_flags.define_flags()
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -25,16 +30,26 @@ def _clean_state():
 def parse(*args):
     FLAGS.unparse_flags()
     FLAGS(["tfscale-train", *args])
-    return optimization.settings_from_flags()
+    return train_flags.settings_from_flags()
+
+
+def build_optimizer(global_batch_size, steps_per_epoch, epochs):
+    return recipes.make_optimizer(train_flags.settings_from_flags(),
+                                  global_batch_size, steps_per_epoch, epochs)
+
+
+def describe(global_batch_size):
+    return recipes.describe(train_flags.settings_from_flags(),
+                            global_batch_size)
 
 
 def test_defaults_are_todays_sgd():
     assert parse() == recipes.Settings()
-    optimizer, learning_rate = optimization.build_optimizer(64, 22, 8)
+    optimizer, learning_rate = build_optimizer(64, 22, 8)
     assert type(optimizer) is keras.optimizers.SGD
     assert learning_rate == 0.05
     assert optimizer.get_config()["momentum"] == 0.9
-    assert optimization.describe(64) == (
+    assert describe(64) == (
         "optimizer sgd (momentum 0.9), lr constant 0.05, precision float32")
 
 
@@ -43,7 +58,7 @@ def test_flags_reach_the_optimizer_and_schedule():
           "--lars_epsilon=1e-5", "--momentum=0.8", "--learning_rate=0.1",
           "--scale_lr", "--base_batch_size=256", "--lr_schedule=warmup_poly",
           "--warmup_epochs=1", "--poly_power=1", "--end_learning_rate=0.01")
-    optimizer, schedule = optimization.build_optimizer(1024, 10, 5)
+    optimizer, schedule = build_optimizer(1024, 10, 5)
     assert type(optimizer) is tfscale.optimizers.LARS
     config = optimizer.get_config()
     assert (config["weight_decay_rate"], config["eeta"], config["epsilon"],
@@ -53,7 +68,7 @@ def test_flags_reach_the_optimizer_and_schedule():
         "initial_learning_rate": 0.4, "decay_steps": 50, "warmup_steps": 10,
         "end_learning_rate": 0.01, "power": 1.0,
         "warmup_initial_learning_rate": 0.0}
-    assert optimization.describe(1024) == (
+    assert describe(1024) == (
         "optimizer lars (momentum 0.8, weight decay 0.0001 except bias/BN, "
         "eeta 0.002, epsilon 1e-05), lr warmup_poly 0.4 (= 0.1 x 1024/256), "
         "warmup 1 epochs, power 1 to 0.01, precision float32")
@@ -61,9 +76,9 @@ def test_flags_reach_the_optimizer_and_schedule():
 
 def test_mixed_float16_wraps_in_tfscale_loss_scale_and_compile_keeps_it():
     parse("--optimizer=lars", "--precision=mixed_float16")
-    optimization.set_precision()
+    recipes.set_precision(train_flags.settings_from_flags())
     assert keras.mixed_precision.global_policy().name == "mixed_float16"
-    optimizer, _ = optimization.build_optimizer(64, 10, 2)
+    optimizer, _ = build_optimizer(64, 10, 2)
     assert type(optimizer) is tfscale.optimizers.LossScaleOptimizer
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer=optimizer, loss="mse")
@@ -72,9 +87,9 @@ def test_mixed_float16_wraps_in_tfscale_loss_scale_and_compile_keeps_it():
 
 def test_mixed_bfloat16_sets_the_policy_without_loss_scaling():
     parse("--precision=mixed_bfloat16")
-    optimization.set_precision()
+    recipes.set_precision(train_flags.settings_from_flags())
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
-    optimizer, _ = optimization.build_optimizer(64, 10, 2)
+    optimizer, _ = build_optimizer(64, 10, 2)
     assert type(optimizer) is keras.optimizers.SGD
 
 
@@ -87,11 +102,11 @@ def test_recipes_load_and_build(name):
     # At the published batch the scaled learning rate is the published one.
     batch = recipe["base_batch_size"]
     assert settings.peak_learning_rate(batch) == recipe["learning_rate"]
-    optimizer, schedule = optimization.build_optimizer(batch, 40, 90)
+    optimizer, schedule = build_optimizer(batch, 40, 90)
     assert type(optimizer) is tfscale.optimizers.LARS
     warmup = schedules.epochs_to_steps(recipe["warmup_epochs"], 40)
     assert float(schedule(warmup)) == pytest.approx(recipe["learning_rate"])
-    assert optimization.describe(batch).endswith(f"recipe {name}")
+    assert describe(batch).endswith(f"recipe {name}")
 
 
 def test_explicit_flags_override_the_recipe():
@@ -102,7 +117,7 @@ def test_explicit_flags_override_the_recipe():
     assert settings.warmup_epochs == 2.0
     assert settings.weight_decay == 1e-4  # from the recipe
     assert settings.peak_learning_rate(8192) == pytest.approx(5.0)
-    assert optimization.describe(8192) == (
+    assert describe(8192) == (
         "optimizer lars (momentum 0.9, weight decay 0.0001 except bias/BN, "
         "eeta 0.001, epsilon 1e-05), lr warmup_poly 5 (= 20 x 8192/32768), "
         "warmup 2 epochs, power 2 to 0.0001, precision mixed_bfloat16, "
@@ -116,3 +131,38 @@ def test_bad_flag_values_are_refused():
         parse("--weight_decay=-1")
     with pytest.raises(flags.IllegalFlagValueError, match="recipe"):
         parse("--recipe=resnet50_lars_64k")
+
+
+def test_flags_are_defined_once_and_not_on_import():
+    source = open(train_flags.__file__, encoding="utf-8").read()
+    module_level = [line for line in source.splitlines()
+                    if line.startswith("flags.DEFINE")]
+    assert module_level == []
+    train_flags.define_flags()  # again: no DuplicateFlagError
+
+
+def test_training_and_shared_flags():
+    parse("--global_batch_size=128", "--model_dir=/somewhere", "--seed=3")
+    training = train_flags.training_from_flags()
+    assert training["global_batch_size"] == 128 and training["seed"] == 3
+    assert "model_dir" not in training and "learning_rate" not in training
+    shared = train_flags.shared_flags()
+    assert shared["learning_rate"] == 0.05 and shared["algorithm"] == "hybrid"
+    assert not train_flags.LOCAL_FLAGS & shared.keys()
+
+
+@pytest.mark.parametrize("command", [["tfscale-train"],
+                                     [sys.executable, "-m", "launch.train"]])
+def test_help_lists_every_flag(command):
+    """`--help` (not only --helpfull) lists the flags of every group."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    process = subprocess.run([*command, "--help"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=120,
+                             cwd=REPO_ROOT, env=env)
+    # absl's --help exits with status 1 after printing.
+    assert "Try --helpfull" in process.stdout, process.stdout[-3000:]
+    for flag in FLAGS.get_flags_for_module(train_flags.__name__):
+        assert f"  --{flag.name}:" in process.stdout or (
+            f"  --[no]{flag.name}:" in process.stdout), flag.name
+    for name in ("optimizer", "recipe", "algorithm", "model"):
+        assert f"  --{name}:" in process.stdout

@@ -1,0 +1,237 @@
+r"""tfscale-train's flags, and what they map onto in the library.
+
+`define_flags()` defines them (tfscale-train's `run()` calls it before
+parsing); the functions below read the parsed values. The optimizer,
+schedule and precision flags are the fields of `tfscale.recipes.Settings`
+under the same names, and their defaults are its defaults (plain SGD with
+momentum 0.9 at a constant learning rate in float32):
+
+    tfscale-train --optimizer=lars --lr_schedule=warmup_poly --warmup_epochs=2 \
+        --learning_rate=0.1 --scale_lr --weight_decay=5e-5 \
+        --precision=mixed_bfloat16
+    tfscale-train --recipe=resnet50_lars_32k --model=resnet50 --dataset=imagenet
+
+A `--recipe` sets published hyper-parameters (`tfscale.recipes.RECIPES`
+cites their sources); flags given on the command line still win. Each
+recipe's `base_batch_size` is the batch its learning rate was published for,
+so `--scale_lr` scales it linearly to yours.
+"""
+
+import sys
+
+from absl import flags
+
+from tfscale import collectives
+from tfscale import recipes
+
+FLAGS = flags.FLAGS
+
+# Flags whose values may differ between workers without changing the training
+# (paths can be local to each machine).
+LOCAL_FLAGS = frozenset({"data_dir", "manual_dir", "model_dir", "export_dir",
+                         "verbose", "cluster_resolver", "tensorboard_dir"})
+# Flags besides the `Settings` fields whose change would make a resumed run
+# train differently from the run that wrote its checkpoints.
+TRAINING_FLAGS = ("model", "dataset", "global_batch_size", "epochs",
+                  "steps_per_epoch", "fc_units", "image_size", "seed",
+                  "compression")
+
+
+def define_flags():
+    """Defines tfscale-train's flags, once, and lists them all in `--help`.
+
+    absl's `--help` shows the key flags of the main module, `sys.argv[0]`:
+    the console script, which defines none, or this file's importer run with
+    `python -m`. So every flag defined here is made a key flag of it.
+    """
+    if "optimizer" in FLAGS:  # defined already (tests parse more than once)
+        return
+    _define_job_flags()
+    _define_communication_flags()
+    _define_optimization_flags()
+    for flag in FLAGS.get_flags_for_module(__name__):
+        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+def _define_job_flags():
+    """Model, data, length of training, and where things are written."""
+    flags.DEFINE_string("model", "alexnet_bn", "Model: alexnet_bn or resnet50.")
+    flags.DEFINE_string("dataset", "digits",
+                        "Data set: digits, imagenet or synthetic.")
+    flags.DEFINE_string("data_dir", None,
+                        "tensorflow-datasets data_dir (imagenet).")
+    flags.DEFINE_string(
+        "manual_dir", None,
+        "Directory holding ILSVRC2012_img_{train,val}.tar (imagenet); default "
+        "<data_dir>/downloads/manual.",
+    )
+    flags.DEFINE_integer("global_batch_size", 64,
+                         "Examples per step over all workers.")
+    flags.DEFINE_integer("epochs", 10, "Training epochs.")
+    flags.DEFINE_integer(
+        "steps_per_epoch", 0,
+        "Steps per epoch; 0: one pass over the training split (required for "
+        "synthetic).",
+    )
+    flags.DEFINE_integer(
+        "fc_units", 0,
+        "alexnet_bn's fully connected width; 0: 4096 as published, or 512 on "
+        "digits (10 classes of 8x8 images need no more).",
+    )
+    flags.DEFINE_integer(
+        "image_size", 0,
+        "Side of the square model input; 0: the data set's default.")
+    flags.DEFINE_integer(
+        "seed", 0, "Seed of weights and data order (same on all workers).")
+    flags.DEFINE_string(
+        "model_dir", None,
+        "Directory for checkpoints of the whole training state (every "
+        "--checkpoint_steps, chief only, atomic) and the settings they were "
+        "trained with. Relaunching the same command resumes from the newest "
+        "one; other training settings are refused. On a cluster: storage "
+        "every worker can read.",
+    )
+    flags.DEFINE_integer("checkpoint_steps", 100,
+                         "Steps between checkpoints in --model_dir.",
+                         lower_bound=1)
+    flags.DEFINE_string(
+        "export_dir", "tfscale_export",
+        "Where the chief writes the SavedModel (uint8 images in, "
+        "probabilities out).",
+    )
+    flags.DEFINE_string(
+        "tensorboard_dir", None,
+        "Where the chief writes per-step TensorBoard scalars: images/second, "
+        "learning rate, loss scale, loss, and exposed communication seconds "
+        "(the chief's wait on all-reduces after its gradients are ready).",
+    )
+    flags.DEFINE_enum(
+        "verbose", "auto", ["auto", "0", "1", "2"],
+        "Chief's Keras verbosity; auto: a progress bar on a terminal, a line "
+        "per epoch otherwise. Other workers are silent.",
+    )
+
+
+def _define_communication_flags():
+    """The cluster and `tfscale.CommunicationOptions`."""
+    flags.DEFINE_enum(
+        "cluster_resolver", "tf_config", ["tf_config", "slurm"],
+        "Where the cluster comes from: TF_CONFIG (Kubernetes/Kubeflow TFJob, "
+        "tfscale-launch) or SLURM's environment (one task per worker, srun).",
+    )
+    flags.DEFINE_enum(
+        "algorithm", "hybrid", collectives.ALGORITHMS,
+        "All-reduce algorithm per fused buffer "
+        "(tfscale.CommunicationOptions).",
+    )
+    flags.DEFINE_integer(
+        "hybrid_threshold_bytes", None,
+        "--algorithm=hybrid only: buffers of at least this many bytes on the "
+        "wire go by ring, smaller ones hierarchical; unset: from the cost "
+        "model.",
+        lower_bound=0,
+    )
+    flags.DEFINE_integer(
+        "local_size", None,
+        "Workers per node; unset: workers on one host in TF_CONFIG form a "
+        "node.",
+        lower_bound=1,
+    )
+    flags.DEFINE_enum(
+        "compression", None, collectives.COMPRESSIONS,
+        "Send float32 gradients in this 16-bit type; unset: float32.",
+    )
+    flags.DEFINE_integer("fusion_threshold_bytes", 32 * 1024 * 1024,
+                         "Gradient fusion buffer size.")
+    flags.DEFINE_float(
+        "collective_timeout", 300,
+        "Seconds a collective may wait for the other workers before the job "
+        "fails.",
+    )
+
+
+def _define_optimization_flags():
+    """The fields of `tfscale.recipes.Settings`, defaults included."""
+    defaults = recipes.Settings()
+    flags.DEFINE_enum("optimizer", defaults.optimizer, recipes.OPTIMIZERS,
+                      "sgd: momentum SGD; lars: tfscale.optimizers.LARS.")
+    flags.DEFINE_enum(
+        "precision", defaults.precision, recipes.PRECISIONS,
+        "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
+        "(oneDNN bfloat16 kernels) but is 6-14x SLOWER on CPUs without it, "
+        "where TensorFlow falls back to Eigen (python -m "
+        "launch.studies.precision_speed measures yours); mixed_float16 is "
+        "for GPUs and adds dynamic loss scaling that agrees across workers.",
+    )
+    flags.DEFINE_float(
+        "learning_rate", defaults.learning_rate,
+        "Peak learning rate (after warmup); for --base_batch_size examples "
+        "with --scale_lr.")
+    flags.DEFINE_float("momentum", defaults.momentum,
+                       "Momentum of sgd and lars.")
+    flags.DEFINE_enum(
+        "lr_schedule", defaults.lr_schedule, recipes.LR_SCHEDULES,
+        "constant: the learning rate throughout (after --warmup_epochs of "
+        "linear warmup if > 0); warmup_poly: linear warmup, then polynomial "
+        "decay to --end_learning_rate over the remaining epochs (MLPerf "
+        "LARS); one_cycle: cosine up to the learning rate over "
+        "--warmup_epochs (0: 30% of training), then cosine down.",
+    )
+    flags.DEFINE_float("warmup_epochs", defaults.warmup_epochs,
+                       "Linear warmup length in epochs.", lower_bound=0.0)
+    flags.DEFINE_float("end_learning_rate", defaults.end_learning_rate,
+                       "warmup_poly: the learning rate at the last step.",
+                       lower_bound=0.0)
+    flags.DEFINE_float("poly_power", defaults.poly_power,
+                       "warmup_poly: power of the decay.", lower_bound=0.0)
+    flags.DEFINE_float(
+        "weight_decay", defaults.weight_decay,
+        "L2 added to the gradient (g + wd * w) of every variable but biases "
+        "and BatchNorm parameters, for sgd and lars alike.",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_bool(
+        "scale_lr", defaults.scale_lr,
+        "Linear scaling rule: use learning_rate * global_batch_size / "
+        "base_batch_size as the (peak) learning rate.",
+    )
+    flags.DEFINE_integer("base_batch_size", defaults.base_batch_size,
+                         "The batch --learning_rate is given for "
+                         "(--scale_lr).", lower_bound=1)
+    flags.DEFINE_float("eeta", defaults.eeta, "lars: trust coefficient.",
+                       lower_bound=0.0)
+    flags.DEFINE_float("lars_epsilon", defaults.lars_epsilon,
+                       "lars: added to the gradient norm in the trust ratio.",
+                       lower_bound=0.0)
+    flags.DEFINE_enum(
+        "recipe", defaults.recipe, ["none", *recipes.RECIPES],
+        "Published large-batch hyper-parameters (tfscale.recipes.RECIPES "
+        "cites their sources); flags given explicitly override them.",
+    )
+
+
+def settings_from_flags():
+    """`tfscale.recipes.Settings` of the parsed flags, `--recipe` filling in.
+
+    A flag given on the command line wins over the recipe; the recipe wins
+    over the flag's default.
+    """
+    names = recipes.Settings().get_config()
+    given = {name: FLAGS[name].value for name in names
+             if FLAGS[name].present or FLAGS.recipe == "none"}
+    if FLAGS.recipe == "none":
+        return recipes.Settings.from_config(given)
+    given.pop("recipe", None)
+    return recipes.Settings.from_recipe(FLAGS.recipe, **given)
+
+
+def training_from_flags():
+    """The flags besides `Settings` that a resumed run must keep."""
+    return {name: FLAGS[name].value for name in TRAINING_FLAGS}
+
+
+def shared_flags():
+    """The flags every worker must agree on (`LOCAL_FLAGS` may differ)."""
+    return {flag.name: flag.value
+            for flag in FLAGS.get_flags_for_module(__name__)
+            if flag.name not in LOCAL_FLAGS}
