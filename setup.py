@@ -27,7 +27,7 @@ setuptools.setup(
         "scikit-learn",
         "scipy",  # cost_model.fit's least squares (imported directly)
         "numpy",
-        "matplotlib",  # launch/large_batch_study.py's plot
+        "matplotlib",  # launch/studies/large_batch.py's plot
     ],
     extras_require={"test": ["pytest"]},
     entry_points={

@@ -1,4 +1,4 @@
-"""Smoke test of launch/precision_speed.py: one tiny step per precision."""
+"""Smoke test of launch/studies/precision_speed.py: one tiny step per precision."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_reports_each_precision_against_the_first(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     process = subprocess.run(
-        [sys.executable, "-m", "launch.precision_speed", "--model=alexnet_bn",
+        [sys.executable, "-m", "launch.studies.precision_speed", "--model=alexnet_bn",
          "--image_size=67", "--fc_units=8", "--num_classes=10",
          "--batch_size=2", "--steps=1", "--warmup_steps=1", "--rounds=1"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE,

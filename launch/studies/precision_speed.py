@@ -1,12 +1,13 @@
 r"""Training speed per --precision on this machine, one process, synthetic data.
 
-    python -m launch.precision_speed --model=resnet50 --image_size=224 \
+    python -m launch.studies.precision_speed --model=resnet50 --image_size=224 \
         --batch_size=8 --steps=3 --warmup_steps=1 --rounds=1
-    python -m launch.precision_speed --model=alexnet_bn --image_size=67 \
+    python -m launch.studies.precision_speed --model=alexnet_bn --image_size=67 \
         --fc_units=64 --num_classes=10 --batch_size=64 --steps=4
 
 Each precision trains the same model (built under that dtype policy, SGD
-with momentum) on one repeated random batch; rounds alternate between the
+with momentum from `tfscale.recipes`, so mixed_float16 gets its loss
+scaling) on one repeated random batch; rounds alternate between the
 precisions so that drifting load on a shared machine hits all of them. The
 first --warmup_steps of each run (graph building, first-step allocation) are
 not timed. Prints the median step time and images/s per precision and the
@@ -23,7 +24,6 @@ mixed_bfloat16 at 1.23x (ResNet-50) and 1.14x (AlexNet-BN) float32.
 
 import os
 import statistics
-import time
 
 import keras
 import tensorflow as tf
@@ -31,43 +31,42 @@ from absl import app
 from absl import flags
 
 import models
+from tfscale import callbacks
+from tfscale import recipes
 
-flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn"], "Model.")
-flags.DEFINE_integer("image_size", 224, "Side of the square input.")
-flags.DEFINE_integer("batch_size", 8, "Examples per step.")
-flags.DEFINE_integer("steps", 4, "Timed steps per run.", lower_bound=1)
-flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per run.", lower_bound=1)
-flags.DEFINE_integer("rounds", 2, "Runs per precision, alternating.",
-                     lower_bound=1)
-flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
-                  "Keras dtype policies to compare.")
-flags.DEFINE_integer("fc_units", 4096, "alexnet_bn's fully connected width.")
-flags.DEFINE_integer("num_classes", 1000, "Output classes.")
 FLAGS = flags.FLAGS
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Records the wall time of each training step."""
-
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
+def define_flags():
+    """Defines the study's flags (`run()` calls it before parsing)."""
+    flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn"], "Model.")
+    flags.DEFINE_integer("image_size", 224, "Side of the square input.")
+    flags.DEFINE_integer("batch_size", 8, "Examples per step.")
+    flags.DEFINE_integer("steps", 4, "Timed steps per run.", lower_bound=1)
+    flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per run.",
+                         lower_bound=1)
+    flags.DEFINE_integer("rounds", 2, "Runs per precision, alternating.",
+                         lower_bound=1)
+    flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
+                      f"Keras dtype policies to compare, of "
+                      f"{', '.join(recipes.PRECISIONS)}.")
+    flags.DEFINE_integer("fc_units", 4096,
+                         "alexnet_bn's fully connected width.")
+    flags.DEFINE_integer("num_classes", 1000, "Output classes.")
 
 
 def time_steps(precision):
     """Seconds per timed step for one run under `precision`."""
-    keras.mixed_precision.set_global_policy(precision)
+    settings = recipes.Settings(precision=precision, learning_rate=0.01,
+                                momentum=0.9)
+    recipes.set_precision(settings)
     keras.utils.set_random_seed(0)
     options = {"fc_units": FLAGS.fc_units} if FLAGS.model == "alexnet_bn" else {}
     model = models.get(
         FLAGS.model, num_classes=FLAGS.num_classes,
         input_shape=(FLAGS.image_size, FLAGS.image_size, 3), **options)
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    steps = FLAGS.warmup_steps + FLAGS.steps
+    optimizer, _ = recipes.make_optimizer(settings, FLAGS.batch_size, steps, 1)
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -77,16 +76,21 @@ def time_steps(precision):
     labels = generator.uniform([FLAGS.batch_size], maxval=FLAGS.num_classes,
                                dtype=tf.int64)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat()
-    timer = StepTimer()
-    model.fit(data, epochs=1, steps_per_epoch=FLAGS.warmup_steps + FLAGS.steps,
-              callbacks=[timer], verbose=0)
+    timer = callbacks.StepTimer()
+    model.fit(data, epochs=1, steps_per_epoch=steps, callbacks=[timer],
+              verbose=0)
     keras.backend.clear_session()
-    return timer.times[FLAGS.warmup_steps:]
+    return timer.step_seconds[FLAGS.warmup_steps:]
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    bad = [p for p in FLAGS.precisions if p not in recipes.PRECISIONS]
+    if bad or not FLAGS.precisions:
+        raise app.UsageError(
+            f"--precisions must name some of {', '.join(recipes.PRECISIONS)}."
+            f" Received: precisions={FLAGS.precisions!r}")
     times = {precision: [] for precision in FLAGS.precisions}
     for round_index in range(FLAGS.rounds):
         for precision in FLAGS.precisions:
@@ -110,6 +114,7 @@ def main(argv):
 
 
 def run():
+    define_flags()
     app.run(main)
 
 

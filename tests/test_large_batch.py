@@ -1,4 +1,4 @@
-"""Smoke test of launch/large_batch_study.py: tiny settings, real digits."""
+"""Smoke test of launch/studies/large_batch.py: tiny settings, real digits."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_study(tmp_path, *args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     return subprocess.run(
-        [sys.executable, "-m", "launch.large_batch_study", *args],
+        [sys.executable, "-m", "launch.studies.large_batch", *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=120)
 
@@ -24,7 +24,7 @@ def test_writes_the_doc_and_the_plot(tmp_path):
     process = run_study(tmp_path, *args)
     assert process.returncode == 0, process.stdout[-4000:]
     doc = (tmp_path / "out" / "study.md").read_text()
-    assert "python -m launch.large_batch_study " + " ".join(args) in doc
+    assert "python -m launch.studies.large_batch " + " ".join(args) in doc
     assert "![test accuracy per epoch](study.png)" in doc
     # The doc holds the printed lines, the runs and the verdicts among them.
     for line in ("[1/2] SGD, batch 256, lr 0.05, float32, seed 0",

@@ -1,0 +1,1 @@
+"""Studies: scripts that measure a question and write what they found."""
