@@ -212,10 +212,9 @@ def build_model(strategy, settings, data_plan):
 def fit_callbacks(strategy):
     """The callbacks of every fit: safety, progress, statistics, checkpoints."""
     from tfscale import callbacks
-    from tfscale import checkpoint
 
     result = [
-        checkpoint.TerminateOnNonFiniteLoss(),  # before any save of a bad step
+        callbacks.TerminateOnNonFiniteLoss(),  # before any save of a bad step
         callbacks.Throughput(FLAGS.global_batch_size),
         callbacks.SyncBatchNormStatistics(strategy),
     ]
@@ -223,7 +222,7 @@ def fit_callbacks(strategy):
         result.append(callbacks.TensorBoardScalars(
             FLAGS.tensorboard_dir, FLAGS.global_batch_size, strategy))
     if FLAGS.model_dir:
-        result.append(checkpoint.BackupAndResume(
+        result.append(callbacks.BackupAndResume(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps))
     return result
 
@@ -339,9 +338,10 @@ def describe_failure(error):
     """A one-paragraph explanation of why training stopped."""
     import tensorflow as tf
 
+    from tfscale import callbacks
     from tfscale import checkpoint
 
-    if isinstance(error, checkpoint.NonFiniteLossError):
+    if isinstance(error, callbacks.NonFiniteLossError):
         kept = ""
         if FLAGS.model_dir:
             step, _ = checkpoint.latest(FLAGS.model_dir)

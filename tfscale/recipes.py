@@ -31,12 +31,12 @@ tf-models keeps `params.yaml` beside its checkpoints.
 import dataclasses
 import json
 import math
-import numbers
 import os
 import uuid
 
 import keras
 
+from tfscale import _validation
 from tfscale import optimizers
 from tfscale import schedules
 
@@ -155,11 +155,6 @@ _FLOATS = (
 )
 
 
-def _is_number(value):
-    # bool is an int in Python; a rate of True is a mistake.
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything that decides the optimizer, its schedule and precision.
@@ -219,7 +214,8 @@ class Settings:
                 )
         for name, rule, ok in _FLOATS:
             value = getattr(self, name)
-            if not (_is_number(value) and math.isfinite(value) and ok(value)):
+            if not (_validation.is_number(value) and math.isfinite(value)
+                    and ok(value)):
                 raise ValueError(
                     f"`{name}` must be {rule}. Received: {name}={value!r}")
             # Frozen: store 10 as 10.0 so that equal settings compare and
@@ -229,8 +225,7 @@ class Settings:
             raise ValueError("`scale_lr` must be a boolean. "
                              f"Received: scale_lr={self.scale_lr!r}")
         value = self.base_batch_size
-        if not (isinstance(value, numbers.Integral)
-                and not isinstance(value, bool) and value >= 1):
+        if not (_validation.is_int(value) and value >= 1):
             raise ValueError("`base_batch_size` must be an integer >= 1. "
                              f"Received: base_batch_size={value!r}")
         object.__setattr__(self, "base_batch_size", int(value))
