@@ -8,10 +8,13 @@ import sys
 import pytest
 
 SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(command, cwd, timeout=400):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # This tree's code, wherever the package is installed from.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+        p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("TF_CONFIG", None)
     return subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)

@@ -1,5 +1,6 @@
 """Resume: a run killed mid-training and relaunched loses no saved step and
-ends with the same weights as a run that was never interrupted."""
+ends with the same weights as a run that was never interrupted; a relaunch
+with other training settings is refused."""
 
 import json
 import os
@@ -81,3 +82,28 @@ def test_killed_and_relaunched_run_matches_an_uninterrupted_one(tmp_path):
     for name, value in straight_vars.items():
         np.testing.assert_array_equal(resumed_vars[name], value, err_msg=name)
     assert not [p for p in os.listdir(resumed) if p.startswith(".partial")]
+
+
+def test_resuming_with_a_changed_learning_rate_is_refused(tmp_path):
+    model_dir = tmp_path / "model"
+    base = ["tfscale-train", "--fc_units=8", "--global_batch_size=32",
+            "--epochs=1", "--steps_per_epoch=2", f"--model_dir={model_dir}",
+            "--export_dir="]
+    env = worker_env(tmp_path)
+    first = subprocess.run(base, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-4000:]
+    saved = (model_dir / "settings.json").read_text()
+    assert saved_step(model_dir) == 2
+
+    second = subprocess.run(base + ["--learning_rate=0.1"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=300)
+    assert second.returncode != 0
+    assert "Traceback" not in second.stdout, second.stdout[-4000:]
+    assert (f"tfscale-train: The checkpoints in {model_dir} were written with "
+            "other settings; resume with the settings they were written with, "
+            "or train in another directory:\n"
+            "  learning_rate: 0.05 saved, 0.1 now\n") in second.stdout + "\n"
+    assert (model_dir / "settings.json").read_text() == saved
+    assert saved_step(model_dir) == 2
