@@ -1,8 +1,8 @@
 """The worker side of `tfscale-bench allreduce`: one process of the cluster.
 
 The bench's launching process writes a spec (JSON) and starts N of these
-through tfscale-launch; each runs `run_worker(spec)` and writes its
-measurements to `<out_prefix>-<rank>.json`. One process can create only one
+through tfscale-launch; each runs `measure(spec)` (through worker.py),
+which writes its measurements to `<out_prefix>-<rank>.json`. One process can create only one
 MultiWorkerMirroredStrategy, so a launch measures one side:
 
 - `"stock"`: a plain `tf.distribute.MultiWorkerMirroredStrategy()`, no
@@ -24,28 +24,21 @@ repeat starts after a barrier (a one-element all-reduce), so workers start
 together; the launching process takes the slowest worker per repeat.
 """
 
-import json
-import os
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from launch import bench_stats
+from launch.bench import stats
 
 
-def gradient_shapes(model_name):
-    """The trainable-variable shapes of `models.get(model_name)`, forward
-    order, at the model's default (published) input size and 1000 classes."""
-    import models
+def measure(spec):
+    """Measures every case in `spec` on this worker.
 
-    model = models.get(model_name)
-    return [list(v.shape) for v in model.trainable_variables]
-
-
-def run_worker(spec):
-    """Measures every case in `spec` on this worker; writes
-    `<out_prefix>-<rank>.json`."""
+    Returns:
+        `{"rank", "num_workers", "node_sizes", "rows"}`: one row per case and
+        input set (worker.py writes it for the launching process).
+    """
     if spec["side"] == "stock":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         rank = strategy.cluster_resolver.task_id or 0
@@ -69,8 +62,8 @@ def run_worker(spec):
         "rows": [],
     }
     for inputs_name, shapes in spec["input_sets"]:
-        inputs = [tf.constant(a) for a in bench_stats.integer_inputs(shapes, rank)]
-        expected = bench_stats.expected_sum(shapes, num_workers)
+        inputs = [tf.constant(a) for a in stats.integer_inputs(shapes, rank)]
+        expected = stats.expected_sum(shapes, num_workers)
         for case in cases:
             row = _measure(case, inputs, expected, barrier, spec)
             row.update(inputs=inputs_name, rank=rank)
@@ -81,10 +74,7 @@ def run_worker(spec):
                       f"{row['wrong']} wrong", flush=True)
             if row["wrong"]:
                 break
-    out_path = f"{spec['out_prefix']}-{rank}.json"
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(results, f)
-    os.replace(out_path + ".tmp", out_path)
+    return results
 
 
 def _measure(case, inputs, expected, barrier, spec):
@@ -93,7 +83,7 @@ def _measure(case, inputs, expected, barrier, spec):
     for _ in range(spec["warmup"]):
         barrier()
         outputs = fn(inputs)
-    wrong = bench_stats.count_wrong([o.numpy() for o in outputs], expected)
+    wrong = stats.count_wrong([o.numpy() for o in outputs], expected)
     row = {k: v for k, v in case.items() if k not in ("fn", "reducer")}
     if "reducer" in case:
         # Each bucket: [algorithm, bytes on the wire, chunks].
@@ -109,7 +99,7 @@ def _measure(case, inputs, expected, barrier, spec):
         outputs[-1].numpy()  # the call is synchronous; this only makes sure
         row["repeat_seconds"].append(time.perf_counter() - start)
     # The timed results must be right too, not only the warm-up's.
-    row["wrong"] = bench_stats.count_wrong([o.numpy() for o in outputs], expected)
+    row["wrong"] = stats.count_wrong([o.numpy() for o in outputs], expected)
     return row
 
 
@@ -145,7 +135,7 @@ def _stock_cases(strategy, spec):
         cases.append({
             "fn": reduce_fn, "side": "stock", "algorithm": "stock",
             "compression": None, "bytes_per_pack": bytes_per_pack,
-            "label": "stock" + (f" bytes_per_pack={bench_stats.human_bytes(bytes_per_pack)}"
+            "label": "stock" + (f" bytes_per_pack={stats.human_bytes(bytes_per_pack)}"
                                 if bytes_per_pack else " (one pack)"),
         })
     return cases
@@ -159,19 +149,16 @@ def _tfscale_cases(topology, world, spec):
     if spec.get("cost_model"):
         model = cost_model_lib.CostModel.from_config(spec["cost_model"])
     cases = []
-    for compression in spec["compressions"]:
-        for algorithm in spec["algorithms"]:
-            if algorithm == "stock":
-                continue
-            reducer = collectives.AllReduce(
-                topology, algorithm, spec["fusion_threshold_bytes"],
-                compression=compression, cost_model=model,
-                log_plans=topology.rank == 0)
-            fn = tf.function(lambda tensors, r=reducer: r(list(tensors), world))
-            cases.append({
-                "fn": fn, "side": "tfscale", "algorithm": algorithm,
-                "compression": compression, "reducer": reducer,
-                "fusion_threshold_bytes": spec["fusion_threshold_bytes"],
-                "label": algorithm + (f"+{compression}" if compression else ""),
-            })
+    for name, algorithm, compression in spec["configs"]:
+        reducer = collectives.AllReduce(
+            topology, algorithm, spec["fusion_threshold_bytes"],
+            compression=compression, cost_model=model,
+            log_plans=topology.rank == 0)
+        fn = tf.function(lambda tensors, r=reducer: r(list(tensors), world))
+        cases.append({
+            "fn": fn, "side": "tfscale", "algorithm": algorithm,
+            "compression": compression, "reducer": reducer,
+            "fusion_threshold_bytes": spec["fusion_threshold_bytes"],
+            "label": name,
+        })
     return cases
