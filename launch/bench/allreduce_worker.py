@@ -1,27 +1,28 @@
 """The worker side of `tfscale-bench allreduce`: one process of the cluster.
 
-The bench's launching process writes a spec (JSON) and starts N of these
-through tfscale-launch; each runs `measure(spec)` (through worker.py),
-which writes its measurements to `<out_prefix>-<rank>.json`. One process can create only one
-MultiWorkerMirroredStrategy, so a launch measures one side:
+allreduce.py writes a spec (JSON) and starts N of these through tfscale-launch;
+each runs `measure(spec)` (through worker.py, which writes the result to
+`<out_prefix>-<rank>.json`). A launch measures one side:
 
-- `"stock"`: a plain `tf.distribute.MultiWorkerMirroredStrategy()`, no
-  options, reducing with `ReplicaContext.all_reduce(SUM, tensors)` inside
-  `strategy.run` in a `tf.function`: the call Keras 3 makes for gradients
-  (keras/src/backend/tensorflow/optimizer.py, `_all_reduce_sum_gradients`).
-  The "stock with bytes_per_pack" case passes
-  `tf.distribute.experimental.CommunicationOptions(bytes_per_pack=B)` to that
-  call, which is what a user's strategy-level option amounts to.
-- `"tfscale"`: one `tfscale.Strategy`; each algorithm is a
-  `tfscale.collectives.AllReduce` over the Strategy's own collective groups
-  (as tests/workers/collectives_all_reduce.py does), in a `tf.function`, the
-  code path `model.fit` runs for gradients.
+- `"stock"`: `tfscale.strategy.KerasMultiWorkerMirroredStrategy`, which is
+  TF's MultiWorkerMirroredStrategy with its own all-reduce (tfscale only
+  fixes Keras 3's `reduce`, which this does not call).
+- `"tfscale"`: one `tfscale.Strategy(communication=CommunicationOptions(...))`
+  per configuration, built one after another.
+
+Every case reduces with `ReplicaContext.all_reduce(SUM, tensors)` inside
+`strategy.run` in a `tf.function`: the call Keras 3 makes for gradients
+(keras/src/backend/tensorflow/optimizer.py, `_all_reduce_sum_gradients`), so
+each strategy's all-reduce runs on the code path `model.fit` takes. The
+"stock with bytes_per_pack" case passes
+`tf.distribute.experimental.CommunicationOptions(bytes_per_pack=B)` to that
+call, which is what a user's strategy-level option amounts to.
 
 For every case and input set: warm-up calls (tracing, group setup), then the
 result of the last warm-up is checked against the exact sum of integer-valued
 inputs; a wrong result stops the bench before any time is recorded. Each timed
-repeat starts after a barrier (a one-element all-reduce), so workers start
-together; the launching process takes the slowest worker per repeat.
+repeat starts after `tfscale.agreement.barrier`, so workers start together;
+the launching process takes the slowest worker per repeat.
 """
 
 import time
@@ -29,7 +30,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import tfscale
 from launch.bench import stats
+from tfscale import agreement
+from tfscale.collectives import cost_model as cost_model_lib
+from tfscale.strategy import KerasMultiWorkerMirroredStrategy
 
 
 def measure(spec):
@@ -37,24 +42,12 @@ def measure(spec):
 
     Returns:
         `{"rank", "num_workers", "node_sizes", "rows"}`: one row per case and
-        input set (worker.py writes it for the launching process).
+        input set (node_sizes: as tfscale grouped the workers; None for stock).
     """
-    if spec["side"] == "stock":
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        rank = strategy.cluster_resolver.task_id or 0
-        num_workers = strategy.num_replicas_in_sync
-        cases, barrier, topology = _stock_cases(strategy, spec), _stock_barrier(strategy), None
-    else:
-        import tfscale
-
-        strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
-            algorithm="ring", local_size=spec.get("local_size"),
-            timeout_seconds=spec["collective_timeout"]))
-        rank, num_workers = strategy.worker_index, strategy.num_workers
-        topology = strategy._tfscale_all_reduce.topology
-        world = strategy._tfscale_cross_device_ops._groups[0]
-        cases = _tfscale_cases(topology, world, spec)
-        barrier = tf.function(lambda: world.all_reduce(tf.constant([1.0])))
+    cases = _stock_cases(spec) if spec["side"] == "stock" else _tfscale_cases(spec)
+    strategy = cases[0]["strategy"]
+    rank, num_workers = strategy.worker_index, strategy.num_workers
+    topology = strategy.topology if spec["side"] == "tfscale" else None
     results = {
         "rank": rank,
         "num_workers": num_workers,
@@ -65,7 +58,7 @@ def measure(spec):
         inputs = [tf.constant(a) for a in stats.integer_inputs(shapes, rank)]
         expected = stats.expected_sum(shapes, num_workers)
         for case in cases:
-            row = _measure(case, inputs, expected, barrier, spec)
+            row = _measure(case, inputs, expected, spec)
             row.update(inputs=inputs_name, rank=rank)
             results["rows"].append(row)
             if rank == 0:
@@ -77,18 +70,19 @@ def measure(spec):
     return results
 
 
-def _measure(case, inputs, expected, barrier, spec):
-    fn = case["fn"]
+def _measure(case, inputs, expected, spec):
+    """Warm-up, the exactness check, then the timed repeats of one case."""
+    fn, barrier = case["fn"], case["barrier"]
     outputs = None
     for _ in range(spec["warmup"]):
         barrier()
         outputs = fn(inputs)
     wrong = stats.count_wrong([o.numpy() for o in outputs], expected)
-    row = {k: v for k, v in case.items() if k not in ("fn", "reducer")}
-    if "reducer" in case:
+    row = {k: v for k, v in case.items() if k not in ("fn", "barrier", "strategy")}
+    if spec["side"] == "tfscale":
         # Each bucket: [algorithm, bytes on the wire, chunks].
         row["plan"] = [[b.algorithm, b.wire_bytes, b.num_chunks]
-                       for b in case["reducer"].plan(inputs)]
+                       for b in case["strategy"].all_reduce_plan(inputs)]
     row.update(wrong=wrong, repeat_seconds=[])
     if wrong:
         return row
@@ -103,37 +97,35 @@ def _measure(case, inputs, expected, barrier, spec):
     return row
 
 
-def _stock_barrier(strategy):
-    one = tf.constant([1.0])
+def _sum_across_workers(strategy, options=None):
+    """A tf.function all-reducing a list of tensors as Keras reduces gradients."""
 
     @tf.function
-    def barrier():
-        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.identity(one)))
+    def reduce_fn(tensors):
+        def replica_fn(values):
+            # Made on the replica's device, as gradients are (MWMS reduces to
+            # the device of its inputs and refuses inputs without one).
+            values = [tf.identity(v) for v in values]
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, values, options=options)
 
-    return barrier
+        out = strategy.run(replica_fn, args=(list(tensors),))
+        return [strategy.experimental_local_results(o)[0] for o in out]
+
+    return reduce_fn
 
 
-def _stock_cases(strategy, spec):
+def _stock_cases(spec):
+    """Stock's one pack, and with --gradients its packs of bytes_per_pack."""
+    strategy = KerasMultiWorkerMirroredStrategy()
+    barrier = agreement.barrier(strategy)
     cases = []
     for bytes_per_pack in [0] + ([spec["bytes_per_pack"]] if spec.get("bytes_per_pack") else []):
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=bytes_per_pack)
-
-        @tf.function
-        def reduce_fn(tensors, options=options):
-            def replica_fn(values):
-                # Made on the replica's device, as gradients are (MWMS reduces
-                # to the device of its inputs and refuses inputs without one).
-                values = [tf.identity(v) for v in values]
-                return tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, values, options=options)
-
-            out = strategy.run(replica_fn, args=(list(tensors),))
-            return [strategy.experimental_local_results(o)[0] for o in out]
-
         cases.append({
-            "fn": reduce_fn, "side": "stock", "algorithm": "stock",
+            "fn": _sum_across_workers(strategy, options), "barrier": barrier,
+            "strategy": strategy, "side": "stock", "algorithm": "stock",
             "compression": None, "bytes_per_pack": bytes_per_pack,
             "label": "stock" + (f" bytes_per_pack={stats.human_bytes(bytes_per_pack)}"
                                 if bytes_per_pack else " (one pack)"),
@@ -141,24 +133,23 @@ def _stock_cases(strategy, spec):
     return cases
 
 
-def _tfscale_cases(topology, world, spec):
-    from tfscale import collectives
-    from tfscale.collectives import cost_model as cost_model_lib
-
-    model = None
+def _tfscale_cases(spec):
+    """One `tfscale.Strategy` per configuration in `spec["configs"]`."""
+    cost_model = None
     if spec.get("cost_model"):
-        model = cost_model_lib.CostModel.from_config(spec["cost_model"])
+        cost_model = cost_model_lib.CostModel.from_config(spec["cost_model"])
     cases = []
     for name, algorithm, compression in spec["configs"]:
-        reducer = collectives.AllReduce(
-            topology, algorithm, spec["fusion_threshold_bytes"],
-            compression=compression, cost_model=model,
-            log_plans=topology.rank == 0)
-        fn = tf.function(lambda tensors, r=reducer: r(list(tensors), world))
+        strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
+            algorithm=algorithm, compression=compression,
+            fusion_threshold_bytes=spec["fusion_threshold_bytes"],
+            local_size=spec.get("local_size"), cost_model=cost_model,
+            timeout_seconds=spec["collective_timeout"],
+            time_all_reduces=False))  # the bench times the call itself
         cases.append({
-            "fn": fn, "side": "tfscale", "algorithm": algorithm,
-            "compression": compression, "reducer": reducer,
-            "fusion_threshold_bytes": spec["fusion_threshold_bytes"],
-            "label": name,
+            "fn": _sum_across_workers(strategy), "barrier": agreement.barrier(strategy),
+            "strategy": strategy, "side": "tfscale", "algorithm": algorithm,
+            "compression": compression,
+            "fusion_threshold_bytes": spec["fusion_threshold_bytes"], "label": name,
         })
     return cases

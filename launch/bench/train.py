@@ -80,7 +80,7 @@ def summarize(single, launches, num_workers, per_worker_batch):
             compute = [_run(o, precision, "compute") for o in outputs]
             step, per_step = stats.median_of_max(dist)
             t_compute = max(statistics.median(c) for c in compute)
-            waits = [_run(o, precision, "distributed", "exposed_comm_seconds")
+            waits = [_run(o, precision, "distributed", "exposed_communication_seconds")
                      for o in outputs]
             in_step = None
             if all(waits):

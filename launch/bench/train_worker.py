@@ -1,14 +1,25 @@
 """The worker side of `tfscale-bench train`: one process of a launch.
 
 `spec["kind"]` says what it trains under: `"single"` (alone, no strategy),
-`"stock"` (TF's own all-reduce, with only the Keras 3 fix) or `"tfscale"`
-(`tfscale.Strategy` with the spec's algorithm and compression). Under a
-strategy it first trains the model alone, while the other workers do the
-same, then under the strategy; train.py turns the step times into rows.
+`"stock"` (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`: TF's own
+all-reduce, with only the Keras 3 fix) or `"tfscale"` (`tfscale.Strategy`
+with the spec's algorithm and compression). Both strategies time their
+all-reduces the same way (`exposed_communication_seconds`). Under a strategy
+a worker first trains the model alone, while the other workers do the same,
+then under the strategy; train.py turns the step times into rows.
 """
 
+import contextlib
 import statistics
-import time
+
+import keras
+
+import models
+import tfscale
+from tfscale import agreement
+from tfscale import callbacks
+from tfscale import data
+from tfscale.strategy import KerasMultiWorkerMirroredStrategy
 
 
 def measure(spec):
@@ -18,23 +29,9 @@ def measure(spec):
         `{"rank", "runs"}`: per precision a "compute" run (alone) and, under a
         strategy, a "distributed" run, each with its per-step seconds.
     """
-    import keras
-
-    strategy, rank = None, 0
-    if spec["kind"] == "stock":
-        strategy = _stock_strategy_class()()
-        rank = strategy.cluster_resolver.task_id or 0
-        _time_stock_all_reduces(strategy)
-    elif spec["kind"] == "tfscale":
-        import tfscale
-
-        strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
-            algorithm=spec["algorithm"], compression=spec["compression"],
-            local_size=spec["local_size"],
-            fusion_threshold_bytes=spec["fusion_threshold_bytes"],
-            timeout_seconds=spec["collective_timeout"]))
-        rank = strategy.worker_index
-    barrier = _barrier(strategy) if strategy else (lambda: None)
+    strategy = _strategy(spec)
+    rank = strategy.worker_index if strategy else 0
+    barrier = agreement.barrier(strategy) if strategy else (lambda: None)
     runs = []
     for precision in spec["precisions"]:
         keras.mixed_precision.set_global_policy(precision)
@@ -53,80 +50,26 @@ def measure(spec):
     return {"rank": rank, "runs": runs}
 
 
-def _stock_strategy_class():
-    import tensorflow as tf
-
-    class StockStrategy(tf.distribute.MultiWorkerMirroredStrategy):
-        """Stock MWMS plus the one change Keras 3 `fit` needs on 2+ workers:
-        `reduce` maps over nests and drops `axis` for rank-0 values (as
-        tfscale.Strategy.reduce does; keras-team/keras#20585). Gradients take
-        TF's own CollectiveAllReduce."""
-
-        def reduce(self, reduce_op, value, axis=None):
-            parent = super().reduce
-
-            def reduce_one(v):
-                t = v.values[0] if isinstance(v, tf.distribute.DistributedValues) else v
-                rank = tf.convert_to_tensor(t).shape.rank
-                return parent(reduce_op, v, axis=None if rank == 0 else axis)
-
-            return tf.nest.map_structure(reduce_one, value)
-
-    return StockStrategy
-
-
-def _time_stock_all_reduces(strategy):
-    """Gives a stock strategy the `exposed_communication_seconds` of tfscale's,
-    timed the same way around TF's own all-reduce (which stays as it is)."""
-    import tensorflow as tf
-
-    from tfscale import _tf_private
-
-    with tf.device(strategy.extended.worker_devices[0]):
-        strategy.exposed_communication_seconds = tf.Variable(0.0, dtype=tf.float64,
-                                                             trainable=False)
-    _tf_private.time_stock_all_reduces(strategy, strategy.exposed_communication_seconds)
-
-
-def _barrier(strategy):
-    import tensorflow as tf
-
-    @tf.function
-    def barrier():
-        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.identity(tf.constant([1.0]))))
-
-    return lambda: barrier()
+def _strategy(spec):
+    """The strategy `spec["kind"]` names, all-reduces timed; None for "single"."""
+    if spec["kind"] == "stock":
+        return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
+    if spec["kind"] == "tfscale":
+        return tfscale.Strategy(communication=tfscale.CommunicationOptions(
+            algorithm=spec["algorithm"], compression=spec["compression"],
+            local_size=spec["local_size"],
+            fusion_threshold_bytes=spec["fusion_threshold_bytes"],
+            timeout_seconds=spec["collective_timeout"], time_all_reduces=True))
+    return None
 
 
 def _fit(spec, strategy):
     """Timed steps of `model.fit`; alone when `strategy` is None.
 
     Returns:
-        `{"step_seconds": [...]}`, plus `"exposed_comm_seconds": [...]` (per
-        step, measured in the step) under a `tfscale.Strategy`.
+        `{"step_seconds": [...]}`, plus `"exposed_communication_seconds": [...]` (per
+        step, measured in the step) under a strategy.
     """
-    import contextlib
-
-    import keras
-
-    import models
-    from tfscale import data
-
-    exposed = getattr(strategy, "exposed_communication_seconds", None)
-
-    class StepTimer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if exposed is not None:
-                self.exposed_before = exposed.numpy()
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
-            if exposed is not None:
-                waits.append(float(exposed.numpy() - self.exposed_before))
-
-    times, waits = [], []
     size = spec["image_size"]
     options = {"fc_units": spec["fc_units"]} if spec["model"] == "alexnet_bn" else {}
     keras.utils.set_random_seed(0)
@@ -142,9 +85,11 @@ def _fit(spec, strategy):
         global_batch = batch * strategy.num_replicas_in_sync
         dataset = strategy.distribute_datasets_from_function(
             lambda context: data.synthetic(global_batch, size, input_context=context))
+    timer = callbacks.StepTimer(strategy)
     model.fit(dataset, epochs=1, steps_per_epoch=spec["warmup_steps"] + spec["steps"],
-              callbacks=[StepTimer()], verbose=0)
-    timed = {"step_seconds": times[spec["warmup_steps"]:]}
-    if exposed is not None:
-        timed["exposed_comm_seconds"] = waits[spec["warmup_steps"]:]
+              callbacks=[timer], verbose=0)
+    warmup = spec["warmup_steps"]
+    timed = {"step_seconds": timer.step_seconds[warmup:]}
+    if strategy is not None:
+        timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
     return timed
