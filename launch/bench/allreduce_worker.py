@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfscale
+from launch.bench import cluster
 from launch.bench import stats
 from tfscale import agreement
 from tfscale.collectives import cost_model as cost_model_lib
@@ -44,7 +45,7 @@ def measure(spec):
         `{"rank", "num_workers", "node_sizes", "rows"}`: one row per case and
         input set (node_sizes: as tfscale grouped the workers; None for stock).
     """
-    cases = _stock_cases(spec) if spec["side"] == "stock" else _tfscale_cases(spec)
+    cases = _stock_cases(spec) if spec["side"] == cluster.STOCK else _tfscale_cases(spec)
     strategy = cases[0]["strategy"]
     rank, num_workers = strategy.worker_index, strategy.num_workers
     topology = strategy.topology if spec["side"] == "tfscale" else None
@@ -125,9 +126,9 @@ def _stock_cases(spec):
             bytes_per_pack=bytes_per_pack)
         cases.append({
             "fn": _sum_across_workers(strategy, options), "barrier": barrier,
-            "strategy": strategy, "side": "stock", "algorithm": "stock",
+            "strategy": strategy, "side": cluster.STOCK, "algorithm": cluster.STOCK,
             "compression": None, "bytes_per_pack": bytes_per_pack,
-            "label": "stock" + (f" bytes_per_pack={stats.human_bytes(bytes_per_pack)}"
+            "label": cluster.STOCK + (f" bytes_per_pack={stats.human_bytes(bytes_per_pack)}"
                                 if bytes_per_pack else " (one pack)"),
         })
     return cases

@@ -22,8 +22,10 @@ import math
 
 from absl import flags
 
+from launch.bench import cluster
 from launch.bench import gradients
 from launch.bench import stats
+from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
 
 # The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System
 # with Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
@@ -35,6 +37,8 @@ SPECIFIED = ("the paper's cluster as tfscale's benchmark specification states it
              "not checked against the paper's text here")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC2012 train split (tfds imagenet2012)
 FLAGS = flags.FLAGS
+# The algorithms the alpha-beta model predicts (hybrid picks among them).
+_MODELLED = tuple(BUFFER_ALGORITHMS)
 
 
 def define_flags():
@@ -137,7 +141,7 @@ def fit_rows(rows):
     used = [r for r in rows
             if r.get("mode") == "sizes" and r.get("side") == "tfscale"
             and r.get("compression") is None
-            and r.get("algorithm") in ("ring", "hierarchical", "2d")]
+            and r.get("algorithm") in _MODELLED]
     if not used:
         raise ValueError(
             "No rows to fit: the measurements need tfscale ring/hierarchical/2d "
@@ -155,8 +159,8 @@ def fit_table(model, rows, node_sizes):
     ring, shown but not fitted)."""
     lines = []
     for r in rows:
-        algorithm = "ring" if r["side"] == "stock" else r["algorithm"]
-        if algorithm not in ("ring", "hierarchical", "2d") or r.get("compression"):
+        algorithm = "ring" if r["side"] == cluster.STOCK else r["algorithm"]
+        if algorithm not in _MODELLED or r.get("compression"):
             continue
         chunks = r.get("num_chunks", 1)
         predicted = model.predict(algorithm, r["wire_bytes"], node_sizes, chunks)

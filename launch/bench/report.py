@@ -6,6 +6,7 @@ the slowest worker. Every row carries the fields in `REQUIRED_FIELDS`.
 """
 
 import collections
+from launch.bench import cluster
 from launch.bench import stats
 
 # Fields every JSON row has (bytes/second for the bandwidths).
@@ -66,7 +67,7 @@ def summarize(rounds, input_sets, context):
             entry["repeats"].extend(maxima)
     order = {name: i for i, (name, _) in enumerate(input_sets)}
     shapes_of = dict((name, shapes) for name, shapes in input_sets)
-    keys = sorted(per_case, key=lambda k: (order[k[0]], per_case[k]["row"]["side"] != "stock"))
+    keys = sorted(per_case, key=lambda k: (order[k[0]], per_case[k]["row"]["side"] != cluster.STOCK))
     rows = []
     for key in keys:
         rows.append(_row(per_case[key]["row"], per_case[key]["repeats"],
@@ -119,7 +120,7 @@ def _row(worker_row, repeats, shapes, context):
 def _add_ratios(rows):
     """`vs_stock`: seconds / the stock (one pack) seconds on the same inputs."""
     stock = {r["inputs"]: r["seconds"] for r in rows
-             if r["side"] == "stock" and not r.get("bytes_per_pack")}
+             if r["side"] == cluster.STOCK and not r.get("bytes_per_pack")}
     for row in rows:
         base = stock.get(row["inputs"])
         row["vs_stock"] = row["seconds"] / base if base else None

@@ -100,7 +100,7 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "efficiency_vs_contended_compute": t_compute / step,
             })
     for key in ("exposed_comm_seconds", "exposed_comm_in_step_seconds"):
-        stock = {r["precision"]: r[key] for r in rows if r["config"] == "stock"}
+        stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
             base, value = stock.get(row["precision"]), row[key]
             row[key.replace("_seconds", "_vs_stock")] = (

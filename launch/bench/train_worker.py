@@ -16,6 +16,7 @@ import keras
 
 import models
 import tfscale
+from launch.bench import cluster
 from tfscale import agreement
 from tfscale import callbacks
 from tfscale import data
@@ -52,7 +53,7 @@ def measure(spec):
 
 def _strategy(spec):
     """The strategy `spec["kind"]` names, all-reduces timed; None for "single"."""
-    if spec["kind"] == "stock":
+    if spec["kind"] == cluster.STOCK:
         return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
     if spec["kind"] == "tfscale":
         return tfscale.Strategy(communication=tfscale.CommunicationOptions(
