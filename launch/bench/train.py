@@ -91,15 +91,15 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "per_worker_batch": per_worker_batch,
                 "step_seconds": step, "step_seconds_per_step": per_step,
                 "compute_seconds": t_compute,
-                "exposed_comm_seconds": step - t_compute,
-                "exposed_comm_in_step_seconds": in_step,
+                "step_minus_compute_seconds": step - t_compute,
+                "exposed_communication_seconds": in_step,
                 "images_per_second": throughput,
                 "single_worker_step_seconds": t1[precision],
                 "single_worker_images_per_second": per_worker_batch / t1[precision],
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
-    for key in ("exposed_comm_seconds", "exposed_comm_in_step_seconds"):
+    for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
         stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
             base, value = stock.get(row["precision"]), row[key]
@@ -122,9 +122,9 @@ def table(rows):
         return None if seconds is None else seconds * 1e3
 
     lines = [[r["config"], r["precision"], r["step_seconds"] * 1e3,
-              r["compute_seconds"] * 1e3, r["exposed_comm_seconds"] * 1e3,
-              r["exposed_comm_vs_stock"], ms(r["exposed_comm_in_step_seconds"]),
-              r["exposed_comm_in_step_vs_stock"],
+              r["compute_seconds"] * 1e3, r["step_minus_compute_seconds"] * 1e3,
+              r["step_minus_compute_vs_stock"], ms(r["exposed_communication_seconds"]),
+              r["exposed_communication_vs_stock"],
               r["images_per_second"],
               r["single_worker_images_per_second"], r["scaling_efficiency"],
               r["efficiency_vs_contended_compute"]] for r in rows]
