@@ -69,3 +69,35 @@ def test_one_worker_needs_no_all_reduce(runs):
     # TensorFlow short-cuts reduces over a single replica.
     assert runs[1][0]["routed_batch_sizes"] == []
 
+
+
+@pytest.fixture(scope="module")
+def three_strategies(tmp_path_factory):
+    run = run_workers("strategies_in_one_process.py", 2,
+                      tmp_path_factory.mktemp("three_strategies"))
+    assert_succeeded(run)
+    return run.results
+
+
+def test_several_strategies_train_in_one_process(three_strategies):
+    for name in ("stock", "default", "untimed"):
+        first, second = (r[name]["weights"] for r in three_strategies)
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a, b)
+    # Dense(7) under the third strategy: shapes no earlier strategy used.
+    assert len(three_strategies[0]["untimed"]["weights"][0]) == 5 * 7
+
+
+def test_tfscale_all_reduce_trains_like_tensorflows_own(three_strategies):
+    result = three_strategies[0]
+    for stock, ours in zip(result["stock"]["weights"], result["default"]["weights"],
+                           strict=True):
+        np.testing.assert_allclose(ours, stock, rtol=1e-5, atol=1e-6)
+    assert result["default"]["batch_sizes"], "tfscale's all-reduce was not used"
+
+
+def test_stock_strategy_times_its_all_reduces(three_strategies):
+    for result in three_strategies:
+        assert result["stock"]["exposed"] > 0
+        assert result["default"]["exposed"] > 0
+        assert result["untimed"]["exposed"] is None

@@ -31,6 +31,11 @@ def _check_float(name, value, rule, ok):
     return float(value)
 
 
+def _check_positive(name, value):
+    """Raises ValueError unless `value` is a finite number > 0."""
+    return _check_float(name, value, "a number > 0", lambda v: v > 0)
+
+
 def _check_int(name, value, low):
     """Raises ValueError unless `value` is an integer >= `low`."""
     if not (is_int(value) and value >= low):
@@ -67,7 +72,7 @@ def linear_scaling(base_lr, global_batch_size, base_batch_size=256):
         - [Goyal et al., 2017. Accurate, Large Minibatch SGD: Training
           ImageNet in 1 Hour](https://arxiv.org/abs/1706.02677)
     """
-    base_lr = _check_float("base_lr", base_lr, "a number > 0", lambda v: v > 0)
+    base_lr = _check_positive("base_lr", base_lr)
     global_batch_size = _check_int("global_batch_size", global_batch_size, 1)
     base_batch_size = _check_int("base_batch_size", base_batch_size, 1)
     return base_lr * global_batch_size / base_batch_size
@@ -133,9 +138,7 @@ class PolynomialDecay(LearningRateSchedule):
             "end_learning_rate", end_learning_rate, "a number >= 0",
             lambda v: v >= 0,
         )
-        self.power = _check_float(
-            "power", power, "a number > 0", lambda v: v > 0
-        )
+        self.power = _check_positive("power", power)
 
     def __call__(self, step):
         step = ops.clip(_step_float(step), 0.0, float(self.decay_steps))
@@ -295,10 +298,8 @@ class WarmupPolynomialDecay(LearningRateSchedule):
         warmup_initial_learning_rate=0.0,
     ):
         super().__init__()
-        self.initial_learning_rate = _check_float(
-            "initial_learning_rate", initial_learning_rate, "a number > 0",
-            lambda v: v > 0,
-        )
+        self.initial_learning_rate = _check_positive(
+            "initial_learning_rate", initial_learning_rate)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
         if not (is_int(decay_steps) and decay_steps > self.warmup_steps):
             raise ValueError(
@@ -311,9 +312,7 @@ class WarmupPolynomialDecay(LearningRateSchedule):
             "end_learning_rate", end_learning_rate, "a number >= 0",
             lambda v: v >= 0,
         )
-        self.power = _check_float(
-            "power", power, "a number > 0", lambda v: v > 0
-        )
+        self.power = _check_positive("power", power)
         self.warmup_initial_learning_rate = _check_float(
             "warmup_initial_learning_rate", warmup_initial_learning_rate,
             "a number >= 0", lambda v: v >= 0,
@@ -407,10 +406,8 @@ class OneCycle(LearningRateSchedule):
         final_div_factor=1e4,
     ):
         super().__init__()
-        self.max_learning_rate = _check_float(
-            "max_learning_rate", max_learning_rate, "a number > 0",
-            lambda v: v > 0,
-        )
+        self.max_learning_rate = _check_positive(
+            "max_learning_rate", max_learning_rate)
         self.total_steps = _check_int("total_steps", total_steps, 2)
         self.pct_start = _check_float(
             "pct_start", pct_start, "a number in the open interval (0, 1)",
@@ -422,13 +419,8 @@ class OneCycle(LearningRateSchedule):
                 "phase spans at least one step. Received: "
                 f"pct_start={pct_start!r}, total_steps={total_steps!r}"
             )
-        self.div_factor = _check_float(
-            "div_factor", div_factor, "a number > 0", lambda v: v > 0
-        )
-        self.final_div_factor = _check_float(
-            "final_div_factor", final_div_factor, "a number > 0",
-            lambda v: v > 0,
-        )
+        self.div_factor = _check_positive("div_factor", div_factor)
+        self.final_div_factor = _check_positive("final_div_factor", final_div_factor)
 
     @staticmethod
     def _cos_anneal(start, end, pct):

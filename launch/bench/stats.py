@@ -1,4 +1,5 @@
-"""Pure helpers of tfscale-bench: sizes, rates, statistics, checks, tables.
+"""Pure helpers of tfscale-bench: sizes, rates, statistics, checks, tables,
+the cluster's description.
 
 No TensorFlow here: the bench's launching process and the tests use these
 without starting a runtime.
@@ -24,7 +25,9 @@ compression). Ethernet/IP/TCP headers and gRPC framing also cross the link
 and are not in S: even a perfect algorithm stays a few percent above it.
 """
 
+import json
 import math
+import os
 import re
 import statistics
 
@@ -102,6 +105,26 @@ def node_sizes(num_workers, local_size=None, emulate_nodes=None):
     if emulate_nodes:
         return [num_workers // emulate_nodes] * emulate_nodes
     return [num_workers]
+
+
+def describe_cluster(context):
+    """One line on the workers, their nodes and the link between the nodes.
+
+    Args:
+        context: num_workers, node_sizes, emulate_nodes, inter_node_rate and
+            link_rate (bytes/second or None), as every row records them.
+    """
+    nodes = context["node_sizes"]
+    shape = (f"{len(nodes)} node(s) of {nodes[0]}" if len(set(nodes)) == 1
+             else f"nodes of sizes {nodes}")
+    if context.get("emulate_nodes"):
+        rate = context.get("inter_node_rate")
+        link = (f"emulated nodes (network namespaces), inter-node link tbf "
+                f"{rate} = {context['link_rate'] / 1e6:.1f} MB/s per direction"
+                if rate else "emulated nodes, inter-node link not rate limited")
+    else:
+        link = "loopback (127.0.0.1), no rate limit"
+    return f"{context['num_workers']} workers in {shape}; {link}"
 
 
 def bus_factor(num_workers):
@@ -219,3 +242,12 @@ def _cell(value):
             return "-"
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def write_json(value, path):
+    """Writes `value` as JSON to `path`, creating its directory; a reader
+    sees the old file or the whole new one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)

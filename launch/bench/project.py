@@ -20,14 +20,39 @@ import dataclasses
 import json
 import math
 
-from launch import bench_stats
+from absl import flags
+
+from launch.bench import cluster
+from launch.bench import gradients
+from launch.bench import stats
+from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
 
 # The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System
 # with Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
 PAPER = "Jia et al. 2018 (arXiv:1807.11205)"
 ABSTRACT = f"{PAPER}, abstract (https://arxiv.org/abs/1807.11205)"
-DESIGN = "/work/shared/DESIGN.md (the project's summary of the paper)"
+DESIGN = "tfscale's design notes (the project's summary of the paper)"
+# Where the benchmark's brief, not a page of the paper read here, is the source.
+SPECIFIED = ("the paper's cluster as tfscale's benchmark specification states it; "
+             "not checked against the paper's text here")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC2012 train split (tfds imagenet2012)
+FLAGS = flags.FLAGS
+# The algorithms the alpha-beta model predicts (hybrid picks among them).
+_MODELLED = tuple(BUFFER_ALGORITHMS)
+
+
+def define_flags():
+    """Defines project's flags."""
+    flags.DEFINE_string("measurements", None,
+                        "JSON rows of `allreduce --sizes=...` to fit the cost model on; "
+                        "unset: only the projection.")
+    flags.DEFINE_string("fitted_output", None, "Write the fitted cost model here "
+                        "(JSON, for allreduce --cost_model).")
+    flags.DEFINE_string("output", None, "Write the fit and the projection as JSON here.")
+    flags.DEFINE_list("gpus", ["8", "16", "32", "64", "128", "256", "512", "1024", "2048"],
+                      "GPU counts to project to.")
+    flags.DEFINE_float("alpha_scale", 1.0, "Multiply the paper hardware's "
+                       "latencies by this (sensitivity check).", lower_bound=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +67,9 @@ def paper_assumptions():
     pcie3_x16 = 8e9 * 16 * 128 / 130 / 8  # bytes/s per direction
     return [
         Assumption("GPUs per node", 8,
-                   f"{PAPER}: P40 GPUs, 8 per node (tfscale issue 5; {DESIGN})"),
+                   f"{PAPER}: P40 GPUs, 8 per node ({SPECIFIED}; {DESIGN})"),
         Assumption("inter-node bandwidth (bytes/s per direction)", 100e9 / 8,
-                   "100 Gb/s Ethernet with RDMA (tfscale issue 5); 100e9 bits/s / 8"),
+                   f"100 Gb/s Ethernet with RDMA ({SPECIFIED}); 100e9 bits/s / 8"),
         Assumption("intra-node bandwidth (bytes/s per direction)", pcie3_x16,
                    "P40s have no NVLink; their interface is PCIe 3.0 x16 (NVIDIA "
                    "P40 specifications, e.g. sysrqmts.com/gpus/nvidia/tesla/p40): "
@@ -116,7 +141,7 @@ def fit_rows(rows):
     used = [r for r in rows
             if r.get("mode") == "sizes" and r.get("side") == "tfscale"
             and r.get("compression") is None
-            and r.get("algorithm") in ("ring", "hierarchical", "2d")]
+            and r.get("algorithm") in _MODELLED]
     if not used:
         raise ValueError(
             "No rows to fit: the measurements need tfscale ring/hierarchical/2d "
@@ -134,14 +159,14 @@ def fit_table(model, rows, node_sizes):
     ring, shown but not fitted)."""
     lines = []
     for r in rows:
-        algorithm = "ring" if r["side"] == "stock" else r["algorithm"]
-        if algorithm not in ("ring", "hierarchical", "2d") or r.get("compression"):
+        algorithm = "ring" if r["side"] == cluster.STOCK else r["algorithm"]
+        if algorithm not in _MODELLED or r.get("compression"):
             continue
         chunks = r.get("num_chunks", 1)
         predicted = model.predict(algorithm, r["wire_bytes"], node_sizes, chunks)
         lines.append([r["bytes"], r["label"] + ("" if r["side"] == "tfscale" else " (not fitted)"),
                       chunks, r["seconds"] * 1e3, predicted * 1e3, predicted / r["seconds"]])
-    return bench_stats.format_table(
+    return stats.format_table(
         ["size (B)", "algorithm", "chunks", "measured (ms)", "predicted (ms)", "pred/meas"],
         lines, [">", "<", ">", ">", ">", ">"])
 
@@ -211,55 +236,77 @@ def projection_table(rows):
                       r["t_hybrid"] * 1e3, r["t_hybrid_16bit"] * 1e3,
                       r["t_ring_unfused"] / r["t_hybrid"],
                       r["e_ring"], r["e_hierarchical"], r["e_hybrid"], r["e_hybrid_16bit"]])
-    return bench_stats.format_table(
+    return stats.format_table(
         ["GPUs", "nodes", "ring unfused (ms)", "ring (ms)", "hier. (ms)", "hybrid (ms)",
          "hybrid 16b (ms)",
          "unfused/hybrid", "e ring", "e hier.", "e hybrid", "e hybrid 16b"], lines)
 
 
-def main(flags_values):
-    """Runs `project` with the bench's flags (`measurements`, `fitted_output`,
-    `output`, `gpus`, `alpha_scale`)."""
+def main():
+    """Runs project with its flags; prints the fit and the projection, writes JSON."""
+    result = {}
+    if FLAGS.measurements:
+        result["fit"] = _fit_measurements(FLAGS.measurements)
+        if FLAGS.fitted_output:
+            stats.write_json(result["fit"], FLAGS.fitted_output)
+            print(f"tfscale-bench: wrote the fitted model to {FLAGS.fitted_output}")
+    result.update(_project_paper_hardware(_gpu_counts(FLAGS.gpus), FLAGS.alpha_scale))
+    if FLAGS.output:
+        stats.write_json(result, FLAGS.output)
+        print(f"tfscale-bench: wrote {FLAGS.output}")
+    return result
+
+
+def _gpu_counts(values):
+    """--gpus as positive integers."""
+    counts = []
+    for value in values:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--gpus takes positive integers. Received: --gpus={value}")
+        counts.append(int(value))
+    return counts
+
+
+def _fit_measurements(path):
+    """(a): fits the cost model on the rows at `path`; prints it against them."""
     from tfscale.collectives import cost_model as cost_model_lib
 
-    result = {}
-    if flags_values.measurements:
-        with open(flags_values.measurements) as f:
-            rows = json.load(f)
-        measurements, node_sizes, used = fit_rows(rows)
-        fitted = cost_model_lib.fit(measurements, node_sizes)
-        print(f"# (a) alpha-beta model fit with tfscale.collectives.cost_model.fit on "
-              f"{len(measurements)} rows of {flags_values.measurements} "
-              f"(nodes {node_sizes}, {used[0].get('inter_node_rate') or 'no rate limit'})")
-        print(f"# fitted: {describe_model(fitted)}")
-        rate = used[0].get("link_rate")
-        if rate:
-            print(f"# the emulated inter-node link's configured rate: {rate / 1e6:.1f} MB/s")
-        print(fit_table(fitted, rows, node_sizes))
-        result["fit"] = {"cost_model": fitted.get_config(), "node_sizes": node_sizes,
-                         "measurements": flags_values.measurements}
-        if flags_values.fitted_output:
-            with open(flags_values.fitted_output, "w") as f:
-                json.dump(result["fit"], f, indent=1)
-            print(f"tfscale-bench: wrote the fitted model to {flags_values.fitted_output}")
-    from launch import bench_allreduce
+    with open(path) as f:
+        rows = json.load(f)
+    measurements, node_sizes, used = fit_rows(rows)
+    fitted = cost_model_lib.fit(measurements, node_sizes)
+    print(f"# (a) alpha-beta model fit with tfscale.collectives.cost_model.fit on "
+          f"{len(measurements)} rows of {path} "
+          f"(nodes {node_sizes}, {used[0].get('inter_node_rate') or 'no rate limit'})")
+    print(f"# fitted: {describe_model(fitted)}")
+    rate = used[0].get("link_rate")
+    if rate:
+        print(f"# the emulated inter-node link's configured rate: {rate / 1e6:.1f} MB/s")
+    print(fit_table(fitted, rows, node_sizes))
+    return {"cost_model": fitted.get_config(), "node_sizes": node_sizes,
+            "measurements": path}
+
+
+def _project_paper_hardware(gpu_counts, alpha_scale):
+    """(b): projects both models to the paper's hardware; prints each table
+    beside what the paper reports."""
+    from tfscale.collectives import cost_model as cost_model_lib
 
     assumptions = paper_assumptions()
-    scale = flags_values.alpha_scale
     values = {a.name: a.value for a in assumptions}
     paper_model = cost_model_lib.CostModel(
-        intra=cost_model_lib.Link(values["intra-node latency alpha (s)"] * scale,
+        intra=cost_model_lib.Link(values["intra-node latency alpha (s)"] * alpha_scale,
                                   1 / values["intra-node bandwidth (bytes/s per direction)"]),
-        inter=cost_model_lib.Link(values["inter-node latency alpha (s)"] * scale,
+        inter=cost_model_lib.Link(values["inter-node latency alpha (s)"] * alpha_scale,
                                   1 / values["inter-node bandwidth (bytes/s per direction)"]))
     print("\n# (b) projection to the paper's hardware. Assumptions and their sources:")
     for a in assumptions:
         print(f"#   {a.name} = {a.value}: {a.source}")
-    if scale != 1:
-        print(f"#   both alphas multiplied by --alpha_scale={scale:g} (sensitivity check)")
+    if alpha_scale != 1:
+        print(f"#   both alphas multiplied by --alpha_scale={alpha_scale:g} (sensitivity check)")
     print(f"# cost model: {describe_model(paper_model)}")
-    shapes = {name: bench_allreduce.gradient_shapes(name) for name in ("resnet50", "alexnet_bn")}
-    rows = project(paper_model, shapes, [int(g) for g in flags_values.gpus], assumptions)
+    shapes = {name: gradients.shapes(name) for name in ("resnet50", "alexnet_bn")}
+    rows = project(paper_model, shapes, gpu_counts, assumptions)
     reported = paper_reported()
     for name in shapes:
         model_rows = [r for r in rows if r["model"] == name]
@@ -275,12 +322,6 @@ def main(flags_values):
         print("# the paper reports:")
         for line in reported[name]:
             print(f"#   {line}")
-    result["projection"] = rows
-    result["assumptions"] = [dataclasses.asdict(a) for a in assumptions]
-    result["alpha_scale"] = scale
-    result["paper_reported"] = reported
-    if flags_values.output:
-        with open(flags_values.output, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"tfscale-bench: wrote {flags_values.output}")
-    return result
+    return {"projection": rows,
+            "assumptions": [dataclasses.asdict(a) for a in assumptions],
+            "alpha_scale": alpha_scale, "paper_reported": reported}

@@ -6,10 +6,8 @@ the slowest worker. Every row carries the fields in `REQUIRED_FIELDS`.
 """
 
 import collections
-import json
-import os
-
-from launch import bench_stats
+from launch.bench import cluster
+from launch.bench import stats
 
 # Fields every JSON row has (bytes/second for the bandwidths).
 REQUIRED_FIELDS = (
@@ -45,7 +43,7 @@ def summarize(rounds, input_sets, context):
 
     Args:
         rounds: a list over launches of lists of per-worker outputs (what
-            `bench_allreduce.run` writes), all on the same cluster.
+            `allreduce_worker.measure` returns), all on the same cluster.
         input_sets: `[(name, shapes)]` as given to the workers.
         context: fields shared by all rows: num_workers, local_size,
             node_sizes, mode, model, emulate_nodes, inter_node_rate,
@@ -64,12 +62,12 @@ def summarize(rounds, input_sets, context):
         for key, rows in by_key.items():
             if len(rows) != len(outputs):
                 raise RuntimeError(f"Only {len(rows)} of {len(outputs)} workers measured {key}.")
-            _, maxima = bench_stats.median_of_max([r["repeat_seconds"] for r in rows])
+            _, maxima = stats.median_of_max([r["repeat_seconds"] for r in rows])
             entry = per_case.setdefault(key, {"row": rows[0], "repeats": []})
             entry["repeats"].extend(maxima)
     order = {name: i for i, (name, _) in enumerate(input_sets)}
     shapes_of = dict((name, shapes) for name, shapes in input_sets)
-    keys = sorted(per_case, key=lambda k: (order[k[0]], per_case[k]["row"]["side"] != "stock"))
+    keys = sorted(per_case, key=lambda k: (order[k[0]], per_case[k]["row"]["side"] != cluster.STOCK))
     rows = []
     for key in keys:
         rows.append(_row(per_case[key]["row"], per_case[key]["repeats"],
@@ -100,7 +98,7 @@ def _row(worker_row, repeats, shapes, context):
         "num_tensors": len(shapes),
         "seconds": seconds,
         "algbw": algbw,
-        "busbw": algbw * bench_stats.bus_factor(n),
+        "busbw": algbw * stats.bus_factor(n),
         "repeat_seconds": repeats,
         "wrong": 0,
     }
@@ -112,7 +110,7 @@ def _row(worker_row, repeats, shapes, context):
         row["num_chunks"] = plan[0][2]
         row["plan_algorithm"] = plan[0][0]
     row.update(context)
-    bound = bench_stats.link_bound_seconds(
+    bound = stats.link_bound_seconds(
         wire_bytes, len(context["node_sizes"]), context.get("link_rate"))
     row["link_bound_seconds"] = bound
     row["x_link_bound"] = seconds / bound if bound else None
@@ -122,7 +120,7 @@ def _row(worker_row, repeats, shapes, context):
 def _add_ratios(rows):
     """`vs_stock`: seconds / the stock (one pack) seconds on the same inputs."""
     stock = {r["inputs"]: r["seconds"] for r in rows
-             if r["side"] == "stock" and not r.get("bytes_per_pack")}
+             if r["side"] == cluster.STOCK and not r.get("bytes_per_pack")}
     for row in rows:
         base = stock.get(row["inputs"])
         row["vs_stock"] = row["seconds"] / base if base else None
@@ -154,30 +152,21 @@ def table(rows):
         line += [r.get("vs_stock"), r["wrong"]]
         lines.append(line)
     align = [">", ">", ">", "<", "<"] + [">"] * (len(headers) - 5)
-    return bench_stats.format_table(headers, lines, align)
+    return stats.format_table(headers, lines, align)
 
 
 def header(context, repeats, warmup, rounds):
     """The lines printed above the table: what ran, on what."""
-    nodes = context["node_sizes"]
-    shape = (f"{len(nodes)} node(s) of {nodes[0]}" if len(set(nodes)) == 1
-             else f"nodes of sizes {nodes}")
-    if context.get("emulate_nodes"):
-        rate = context.get("inter_node_rate")
-        link = (f"emulated nodes (network namespaces), inter-node link tbf "
-                f"{rate} = {context['link_rate'] / 1e6:.1f} MB/s per direction"
-                if rate else "emulated nodes, inter-node link not rate limited")
-    else:
-        link = "loopback (127.0.0.1), no rate limit"
     lines = [
-        f"# tfscale-bench allreduce: {context['num_workers']} workers in {shape}; {link}",
+        f"# tfscale-bench allreduce: {stats.describe_cluster(context)}",
         f"# float32 inputs, sum; median over {repeats * rounds} repeat(s) "
         f"({rounds} launch(es) x {repeats}) of the slowest worker, after {warmup} "
         "warm-up call(s); each result checked against the exact sum",
         "# algbw = bytes / time; busbw = algbw * 2(n-1)/n; MB = 1e6 bytes; "
         "vs stock = time / stock (one pack) time on the same inputs",
     ]
-    if any(context.get(k) for k in ("link_rate",)) and len(nodes) > 1:
+    nodes = context["node_sizes"]
+    if context.get("link_rate") and len(nodes) > 1:
         lines.append(
             "# link bound = bytes on the wire that must cross each node's link "
             f"(2(m-1)/m x wire bytes, m = {len(nodes)} nodes) / link rate")
@@ -185,13 +174,9 @@ def header(context, repeats, warmup, rounds):
 
 
 def write_json(rows, path):
-    """Writes rows (a list of dicts) to `path`, creating its directory."""
+    """Writes rows (a list of dicts) to `path` once each has `REQUIRED_FIELDS`."""
     for row in rows:
         missing = [f for f in REQUIRED_FIELDS if f not in row]
         if missing:
             raise ValueError(f"Row {row.get('label')!r} lacks fields {missing}.")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(path + ".tmp", path)
+    stats.write_json(rows, path)

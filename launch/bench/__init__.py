@@ -1,0 +1,97 @@
+r"""tfscale-bench: all-reduce and training benchmarks, and a cost-model projection.
+
+    tfscale-bench allreduce --num_workers=4 --local_size=2 \
+        --sizes=64KB,1MB,16MB --algorithms=stock,ring,hierarchical,2d,hybrid \
+        --repeats=5 --output=docs/bench/allreduce.json --plot
+    tfscale-bench allreduce --num_workers=4 --emulate_nodes=2 \
+        --inter_node_rate=200mbit --gradients=resnet50 --compression=none,bfloat16
+    tfscale-bench project --measurements=docs/bench/allreduce.json
+    tfscale-bench train --model=resnet50 --num_workers=4 --image_size=64 --steps=5
+
+One module per subcommand (`allreduce`, `train`, `project`), each defining its
+own flags when it is chosen: `tfscale-bench allreduce --help` lists what
+`allreduce` takes. `allreduce` and `train` start their workers through
+tfscale-launch (`cluster.launch_workers`); each worker process runs
+`python -m launch.bench.worker SPEC`.
+"""
+
+import importlib
+import sys
+
+from absl import app
+from absl import flags
+
+# Subcommand -> what it does, for the usage line.
+SUBCOMMANDS = {
+    "allreduce": "all-reduce time, algbw and busbw per size and algorithm",
+    "train": "training throughput, scaling efficiency, exposed communication",
+    "project": "fit the alpha-beta cost model; project to the paper's hardware",
+}
+
+
+def usage():
+    """The usage text naming every subcommand."""
+    lines = [f"Usage: tfscale-bench {{{'|'.join(SUBCOMMANDS)}}} [--flags]"]
+    lines += [f"  {name:<10} {summary}" for name, summary in SUBCOMMANDS.items()]
+    lines.append("`tfscale-bench SUBCOMMAND --help` lists that subcommand's flags.")
+    return "\n".join(lines)
+
+
+def _subcommand(argv):
+    """The first argument that is not a flag, or None."""
+    for arg in argv[1:]:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def _list_in_help(command):
+    """Makes `--help` describe `command` and list the flags launch/ defined.
+
+    absl's `--help` prints the main module's docstring and key flags (those of
+    the module named by sys.argv[0]); the subcommand's flags are defined in its
+    own modules (and tfscale-launch's in launch.local), so they are registered
+    as the main module's key flags. Flags TensorFlow defines on import are not.
+    """
+    sys.modules["__main__"].__doc__ = command.__doc__
+    for module, module_flags in flags.FLAGS.flags_by_module_dict().items():
+        if module.startswith("launch."):
+            for flag in module_flags:
+                flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+def run(argv=None):
+    """The `tfscale-bench` console script: picks the subcommand and runs it.
+
+    Args:
+        argv: the command line; None: sys.argv.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    name = _subcommand(argv)
+    if name is None:
+        wants_help = any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:])
+        print(usage(), file=sys.stdout if wants_help else sys.stderr)
+        sys.exit(0 if wants_help else 2)
+    if name not in SUBCOMMANDS:
+        print(f"tfscale-bench: unknown subcommand {name!r}.\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    command = importlib.import_module(f"launch.bench.{name}")
+    command.define_flags()
+    _list_in_help(command)
+    app.run(lambda args: _main(command, name, args), argv=argv)
+
+
+def _main(command, name, argv):
+    """Runs the subcommand; its expected failures end in one line, exit 1."""
+    extra = argv[1:]
+    extra.remove(name)
+    if extra:
+        raise app.UsageError(
+            f"tfscale-bench {name} takes flags only. Received: {' '.join(extra)}")
+    try:
+        command.main()
+    except (RuntimeError, ValueError) as error:
+        print(f"tfscale-bench {name}: {error}", file=sys.stderr)
+        sys.exit(1)

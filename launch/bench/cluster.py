@@ -1,0 +1,156 @@
+"""The cluster side of `allreduce` and `train`: their shared flags, the
+configurations they compare, and starting workers through tfscale-launch.
+
+A subcommand writes a spec (JSON) for its workers; `launch_workers` starts
+them (`python -m launch.bench.worker SPEC`, see worker.py) and returns what
+each wrote to `<out_prefix>-<rank>.json`.
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+
+from launch.bench import stats
+
+_MiB = 1024 * 1024
+STOCK = "stock"  # TF's own MultiWorkerMirroredStrategy all-reduce
+NO_COMPRESSION = "none"  # --compression value: float32 on the wire
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+    """Defines the flags of a subcommand that starts workers.
+
+    tfscale-launch's own flags (--num_workers, --timeout, --grace_seconds,
+    --emulate_nodes, --inter_node_rate, ...) come with launch.local.
+    """
+    from launch import local  # noqa: F401  (defines tfscale-launch's flags)
+    from tfscale import collectives
+
+    flags.DEFINE_list(
+        "algorithms", [STOCK, *collectives.ALGORITHMS],
+        f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
+        f"({', '.join(collectives.ALGORITHMS)}).")
+    flags.DEFINE_list(
+        "compression", [NO_COMPRESSION],
+        "Wire formats for the tfscale algorithms: "
+        f"{', '.join((NO_COMPRESSION, *collectives.COMPRESSIONS))}; each "
+        "algorithm runs with each.")
+    flags.DEFINE_integer(
+        "local_size", None,
+        "Workers per node for tfscale's topology; unset: by host (one node on "
+        "loopback, one per --emulate_nodes node).", lower_bound=1)
+    flags.DEFINE_integer("fusion_threshold_bytes", 32 * _MiB,
+                         "tfscale's fusion buffer size.", lower_bound=0)
+    flags.DEFINE_float("collective_timeout", 900,
+                       "Seconds a tfscale collective may wait.")
+
+
+def configs():
+    """The configurations --algorithms and --compression ask for.
+
+    Returns:
+        `[(name, algorithm, compression)]`: stock first (if asked for; it has
+        no compression), then each tfscale algorithm with each compression
+        (None: float32 on the wire).
+
+    Raises:
+        ValueError: naming the flag and the values it takes.
+    """
+    from tfscale import collectives
+
+    allowed = (STOCK, *collectives.ALGORITHMS)
+    if not FLAGS.algorithms:
+        raise ValueError(f"--algorithms is empty; choose from {', '.join(allowed)}.")
+    for name in FLAGS.algorithms:
+        if name not in allowed:
+            raise ValueError(f"--algorithms: {name!r} is unknown; choose from "
+                             f"{', '.join(allowed)}. Received: --algorithms={name}")
+    compressions = []
+    for value in FLAGS.compression:
+        if value not in (NO_COMPRESSION, *collectives.COMPRESSIONS):
+            raise ValueError(
+                f"--compression values must be {NO_COMPRESSION} or one of "
+                f"{', '.join(collectives.COMPRESSIONS)}. Received: --compression={value}")
+        compressions.append(None if value == NO_COMPRESSION else value)
+    out = [(STOCK, STOCK, None)] if STOCK in FLAGS.algorithms else []
+    for compression in compressions:
+        for algorithm in FLAGS.algorithms:
+            if algorithm != STOCK:
+                name = algorithm + (f"+{compression}" if compression else "")
+                out.append((name, algorithm, compression))
+    return out
+
+
+def context():
+    """What every row records about the cluster."""
+    n = FLAGS.num_workers
+    emulated = bool(FLAGS.emulate_nodes)
+    return {
+        "num_workers": n,
+        "local_size": FLAGS.local_size,
+        "node_sizes": stats.node_sizes(n, FLAGS.local_size, FLAGS.emulate_nodes),
+        "emulate_nodes": FLAGS.emulate_nodes,
+        "inter_node_rate": FLAGS.inter_node_rate if emulated else None,
+        "link_rate": (stats.parse_rate(FLAGS.inter_node_rate)
+                      if emulated and FLAGS.inter_node_rate else None),
+    }
+
+
+def _worker_env():
+    """Workers import `launch`, `tfscale` and `models` from this checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def launch_workers(spec, work_dir, name, num_workers=None, emulate=True):
+    """Runs workers of `spec` via tfscale-launch and returns their outputs.
+
+    Args:
+        spec: JSON-serializable dict; `spec["command"]` picks the worker
+            (see worker.py).
+        work_dir: directory for the spec file and the workers' outputs.
+        name: names this launch in file names and messages.
+        num_workers: None: --num_workers.
+        emulate: False runs on loopback even with --emulate_nodes.
+
+    Returns:
+        One output (parsed JSON) per rank.
+
+    Raises:
+        RuntimeError: if the launch fails or a worker writes nothing.
+    """
+    from launch import local
+
+    num_workers = num_workers or FLAGS.num_workers
+    spec = dict(spec, out_prefix=os.path.join(work_dir, name))
+    spec_path = os.path.join(work_dir, f"{name}.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    _worker_env()
+    emulation = {}
+    if emulate and FLAGS.emulate_nodes:
+        emulation = dict(
+            emulate_nodes=FLAGS.emulate_nodes, inter_node_rate=FLAGS.inter_node_rate,
+            inter_node_burst=FLAGS.inter_node_burst,
+            inter_node_latency=FLAGS.inter_node_latency)
+    command = [sys.executable, "-m", "launch.bench.worker", spec_path]
+    print(f"tfscale-bench: launching {num_workers} worker(s): {name}", flush=True)
+    code = local.launch(command, num_workers, timeout=FLAGS.timeout,
+                        grace_seconds=FLAGS.grace_seconds, **emulation)
+    if code != 0:
+        raise RuntimeError(
+            f"The {name} workers failed (exit code {code}); their output is above.")
+    outputs = []
+    for rank in range(num_workers):
+        path = f"{spec['out_prefix']}-{rank}.json"
+        if not os.path.exists(path):
+            raise RuntimeError(f"Worker {rank} of {name} wrote no result ({path}).")
+        with open(path) as f:
+            outputs.append(json.load(f))
+    return outputs

@@ -1,0 +1,201 @@
+"""tfscale-bench train: training throughput, scaling efficiency, exposed communication.
+
+Launches, each on synthetic data (`tfscale.data.synthetic`: one random batch
+repeated, so no input pipeline cost), Keras `model.fit` with SGD + momentum:
+
+- `single`: ONE worker alone on the machine: T_1, the throughput without any
+  all-reduce, per precision.
+- one launch of N workers per configuration: `stock` is
+  `tf.distribute.MultiWorkerMirroredStrategy` with only tfscale's Keras fix
+  (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`; stock Keras 3 `fit` fails on 2+ workers without
+  it), so its gradients take TF's own all-reduce (one pack); the others are
+  `tfscale.Strategy` with an algorithm and compression.
+
+In every N-worker launch each worker first trains the same model alone (not
+in the strategy's scope: no all-reduce) while the other workers do the same,
+so that compute is measured under the same sharing of the CPU cores as the
+distributed run; then it trains under the strategy. Per precision (Keras
+global policy float32 or mixed_bfloat16):
+
+- T_step(N): median over timed steps of the slowest worker's step time.
+- T_compute: the slowest worker's median step time training alone.
+- exposed communication = T_step(N) - T_compute: what the all-reduce adds to
+  a step (the part not hidden behind computation).
+- images/s = N x per-worker batch / T_step(N); scaling efficiency
+  e = images/s(N) / (N x images/s(1)) with images/s(1) from `single`.
+- measured inside the step: each worker's wait on all-reduces after its
+  gradients are ready (`tfscale.Strategy.exposed_communication_seconds`;
+  stock's own all-reduce is timed by the same ops). Its median over steps of
+  the least-waiting worker (the one the others wait for) is the communication
+  not hidden behind backprop, without the CPU contention that
+  T_step(N) - T_compute also counts.
+"""
+
+import os
+import shutil
+import statistics
+import tempfile
+
+from absl import flags
+
+from launch.bench import cluster
+from launch.bench import stats
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+    """Defines train's flags (and the cluster flags it shares with allreduce)."""
+    cluster.define_flags()
+    flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn"], "Model to train.")
+    flags.DEFINE_integer("image_size", 64, "Side of the square synthetic images "
+                         "(alexnet_bn needs >= 67).", lower_bound=32)
+    flags.DEFINE_integer("fc_units", 4096, "--model=alexnet_bn: fully connected "
+                         "width (4096 as published).", lower_bound=1)
+    flags.DEFINE_integer("per_worker_batch", 16, "Images per worker per step.",
+                         lower_bound=1)
+    flags.DEFINE_integer("steps", 5, "Timed steps per run.", lower_bound=1)
+    flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per run (graph "
+                         "building).", lower_bound=1)
+    flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
+                      "Keras global dtype policies to compare.")
+    flags.DEFINE_string("output", None, "Write the rows as JSON here.")
+    flags.DEFINE_bool("plot", False, "With --output: also write a PNG of "
+                      "images/s per configuration next to it.")
+
+
+def summarize(single, launches, num_workers, per_worker_batch):
+    """Rows per (configuration, precision) from the worker outputs.
+
+    Args:
+        single: the `single` launch's outputs (one worker).
+        launches: `{name: outputs}` of the N-worker launches.
+    """
+    t1 = {r["precision"]: statistics.median(r["step_seconds"])
+          for r in single[0]["runs"] if r["phase"] == "compute"}
+    rows = []
+    for name, outputs in launches.items():
+        for precision in t1:
+            dist = [_run(o, precision, "distributed") for o in outputs]
+            compute = [_run(o, precision, "compute") for o in outputs]
+            step, per_step = stats.median_of_max(dist)
+            t_compute = max(statistics.median(c) for c in compute)
+            waits = [_run(o, precision, "distributed", "exposed_communication_seconds")
+                     for o in outputs]
+            in_step = None
+            if all(waits):
+                in_step = statistics.median(min(w) for w in zip(*waits))
+            throughput = num_workers * per_worker_batch / step
+            rows.append({
+                "config": name, "precision": precision, "num_workers": num_workers,
+                "per_worker_batch": per_worker_batch,
+                "step_seconds": step, "step_seconds_per_step": per_step,
+                "compute_seconds": t_compute,
+                "step_minus_compute_seconds": step - t_compute,
+                "exposed_communication_seconds": in_step,
+                "images_per_second": throughput,
+                "single_worker_step_seconds": t1[precision],
+                "single_worker_images_per_second": per_worker_batch / t1[precision],
+                "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
+                "efficiency_vs_contended_compute": t_compute / step,
+            })
+    for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
+        stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
+        for row in rows:
+            base, value = stock.get(row["precision"]), row[key]
+            row[key.replace("_seconds", "_vs_stock")] = (
+                value / base if base and value is not None else None)
+    return rows
+
+
+def _run(output, precision, phase, key="step_seconds"):
+    """A worker's per-step `key` values in one run; [] where it has none
+    (stock has no in-step wait)."""
+    for run in output["runs"]:
+        if run["precision"] == precision and run["phase"] == phase:
+            return run.get(key, [])
+    raise RuntimeError(f"Worker {output['rank']} has no {phase} run for {precision}.")
+
+
+def table(rows):
+    def ms(seconds):
+        return None if seconds is None else seconds * 1e3
+
+    lines = [[r["config"], r["precision"], r["step_seconds"] * 1e3,
+              r["compute_seconds"] * 1e3, r["step_minus_compute_seconds"] * 1e3,
+              r["step_minus_compute_vs_stock"], ms(r["exposed_communication_seconds"]),
+              r["exposed_communication_vs_stock"],
+              r["images_per_second"],
+              r["single_worker_images_per_second"], r["scaling_efficiency"],
+              r["efficiency_vs_contended_compute"]] for r in rows]
+    return stats.format_table(
+        ["config", "precision", "step (ms)", "compute (ms)", "exposed comm (ms)",
+         "exposed vs stock", "in-step wait (ms)", "in-step vs stock", "images/s",
+         "1 worker images/s", "e", "e vs compute"],
+        lines, ["<", "<"] + [">"] * 10)
+
+
+def main():
+    """Runs train with its flags; prints the table, writes JSON (and PNG)."""
+    configs = cluster.configs()
+    spec = {
+        "command": "train", "model": FLAGS.model,
+        "image_size": FLAGS.image_size, "fc_units": FLAGS.fc_units,
+        "per_worker_batch": FLAGS.per_worker_batch,
+        "steps": FLAGS.steps, "warmup_steps": FLAGS.warmup_steps,
+        "precisions": FLAGS.precisions, "local_size": FLAGS.local_size,
+        "fusion_threshold_bytes": FLAGS.fusion_threshold_bytes,
+        "collective_timeout": FLAGS.collective_timeout,
+    }
+    work_dir = tempfile.mkdtemp(prefix="tfscale-bench-train-")
+    try:
+        single = cluster.launch_workers(dict(spec, kind="single", name="single"), work_dir,
+                                        "single", num_workers=1, emulate=False)
+        launches = {}
+        for name, algorithm, compression in configs:
+            kind = cluster.STOCK if algorithm == cluster.STOCK else "tfscale"
+            launches[name] = cluster.launch_workers(
+                dict(spec, kind=kind, name=name, algorithm=algorithm,
+                     compression=compression), work_dir, name.replace("+", "-"))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    rows = summarize(single, launches, FLAGS.num_workers, FLAGS.per_worker_batch)
+    ctx = cluster.context()
+    for row in rows:
+        row.update(model=FLAGS.model, image_size=FLAGS.image_size,
+                   steps=FLAGS.steps, **{k: ctx[k] for k in (
+                       "node_sizes", "local_size", "emulate_nodes", "inter_node_rate")})
+    print(f"# tfscale-bench train: {FLAGS.model} {FLAGS.image_size}x"
+          f"{FLAGS.image_size}, synthetic data, SGD momentum, "
+          f"{FLAGS.per_worker_batch} images per worker per step; "
+          f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
+          f"after {FLAGS.warmup_steps} warm-up step(s)")
+    print("# compute = the same step trained alone by every worker at once (no "
+          "all-reduce, same CPU sharing); exposed comm = step - compute; "
+          "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
+          "on the machine; e vs compute = compute / step")
+    print("# in-step wait = exposed_communication_seconds per step (stock: its own "
+          "all-reduce, timed alike): time from the last gradient ready to the last "
+          "all-reduce done, median over steps of the least-waiting worker; "
+          "in-step vs stock = in-step wait / stock's")
+    print(table(rows), flush=True)
+    if FLAGS.output:
+        stats.write_json(rows, FLAGS.output)
+        print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
+        if FLAGS.plot:
+            path = os.path.splitext(FLAGS.output)[0] + ".png"
+            _plot(rows, path, f"{FLAGS.model} training\n{stats.describe_cluster(ctx)}")
+            print(f"tfscale-bench: wrote {path}")
+    return rows
+
+
+def _plot(rows, path, title):
+    """Bars of images/s per configuration, one series per precision."""
+    from launch.bench import plot
+
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    series = {}
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        by_name = {r["config"]: r for r in rows if r["precision"] == precision}
+        series[f"images/s {precision}"] = [by_name[c]["images_per_second"] for c in names]
+    plot.bars(names, series, path, title, "images/s (all workers)")

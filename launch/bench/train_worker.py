@@ -1,0 +1,96 @@
+"""The worker side of `tfscale-bench train`: one process of a launch.
+
+`spec["kind"]` says what it trains under: `"single"` (alone, no strategy),
+`"stock"` (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`: TF's own
+all-reduce, with only the Keras 3 fix) or `"tfscale"` (`tfscale.Strategy`
+with the spec's algorithm and compression). Both strategies time their
+all-reduces the same way (`exposed_communication_seconds`). Under a strategy
+a worker first trains the model alone, while the other workers do the same,
+then under the strategy; train.py turns the step times into rows.
+"""
+
+import contextlib
+import statistics
+
+import keras
+
+import models
+import tfscale
+from launch.bench import cluster
+from tfscale import agreement
+from tfscale import callbacks
+from tfscale import data
+from tfscale.strategy import KerasMultiWorkerMirroredStrategy
+
+
+def measure(spec):
+    """Trains as `spec` says on this worker.
+
+    Returns:
+        `{"rank", "runs"}`: per precision a "compute" run (alone) and, under a
+        strategy, a "distributed" run, each with its per-step seconds.
+    """
+    strategy = _strategy(spec)
+    rank = strategy.worker_index if strategy else 0
+    barrier = agreement.barrier(strategy) if strategy else (lambda: None)
+    runs = []
+    for precision in spec["precisions"]:
+        keras.mixed_precision.set_global_policy(precision)
+        barrier()
+        runs.append({"precision": precision, "phase": "compute",
+                     **_fit(spec, None)})
+        if strategy is not None:
+            barrier()
+            runs.append({"precision": precision, "phase": "distributed",
+                         **_fit(spec, strategy)})
+        if rank == 0:
+            print(f"{spec['name']} {precision}: " + ", ".join(
+                f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
+                for r in runs if r["precision"] == precision), flush=True)
+    keras.mixed_precision.set_global_policy("float32")
+    return {"rank": rank, "runs": runs}
+
+
+def _strategy(spec):
+    """The strategy `spec["kind"]` names, all-reduces timed; None for "single"."""
+    if spec["kind"] == cluster.STOCK:
+        return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
+    if spec["kind"] == "tfscale":
+        return tfscale.Strategy(communication=tfscale.CommunicationOptions(
+            algorithm=spec["algorithm"], compression=spec["compression"],
+            local_size=spec["local_size"],
+            fusion_threshold_bytes=spec["fusion_threshold_bytes"],
+            timeout_seconds=spec["collective_timeout"], time_all_reduces=True))
+    return None
+
+
+def _fit(spec, strategy):
+    """Timed steps of `model.fit`; alone when `strategy` is None.
+
+    Returns:
+        `{"step_seconds": [...]}`, plus `"exposed_communication_seconds": [...]` (per
+        step, measured in the step) under a strategy.
+    """
+    size = spec["image_size"]
+    options = {"fc_units": spec["fc_units"]} if spec["model"] == "alexnet_bn" else {}
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = models.get(spec["model"], num_classes=1000,
+                           input_shape=(size, size, 3), **options)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batch = spec["per_worker_batch"]
+    if strategy is None:
+        dataset = data.synthetic(batch, size)
+    else:
+        global_batch = batch * strategy.num_replicas_in_sync
+        dataset = strategy.distribute_datasets_from_function(
+            lambda context: data.synthetic(global_batch, size, input_context=context))
+    timer = callbacks.StepTimer(strategy)
+    model.fit(dataset, epochs=1, steps_per_epoch=spec["warmup_steps"] + spec["steps"],
+              callbacks=[timer], verbose=0)
+    warmup = spec["warmup_steps"]
+    timed = {"step_seconds": timer.step_seconds[warmup:]}
+    if strategy is not None:
+        timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
+    return timed

@@ -1,0 +1,37 @@
+"""One worker process of `allreduce` or `train`: `python -m launch.bench.worker SPEC`.
+
+tfscale-launch starts N of these with their TF_CONFIG (cluster.launch_workers).
+Each reads the spec its subcommand wrote, measures, and writes its result to
+`<out_prefix>-<rank>.json` for the launching process to collect.
+"""
+
+import importlib
+import json
+import os
+import sys
+
+# spec["command"] -> the module whose `measure(spec)` this worker runs.
+_MEASURES = {
+    "allreduce": "launch.bench.allreduce_worker",
+    "train": "launch.bench.train_worker",
+}
+
+
+def main(spec_path):
+    """Measures what the spec at `spec_path` asks for; writes the result."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    module = importlib.import_module(_MEASURES[spec["command"]])
+    result = module.measure(spec)
+    path = f"{spec['out_prefix']}-{result['rank']}.json"
+    # Written whole or not at all: the launcher reads every worker's file.
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("Usage: python -m launch.bench.worker SPEC_PATH (written by "
+                 f"tfscale-bench). Received: {' '.join(sys.argv[1:]) or 'nothing'}")
+    main(sys.argv[1])
