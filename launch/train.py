@@ -126,7 +126,7 @@ def strategy_from_flags():
 
 
 @dataclasses.dataclass(frozen=True)
-class Data:
+class DataPlan:
     """The checked data set: what the model, the fit and the export need."""
 
     spec: object  # tfscale.data's spec of the data set
@@ -136,7 +136,7 @@ class Data:
 
 
 def check_data(num_workers):
-    """`Data` of the flags; raises ValueError if the workers cannot share it."""
+    """`DataPlan` of the flags; raises ValueError if the workers cannot share it."""
     from tfscale import data
 
     spec = data.spec(FLAGS.dataset)
@@ -146,7 +146,7 @@ def check_data(num_workers):
     if eval_split:
         data.check_batch(FLAGS.global_batch_size, num_workers,
                          data.num_examples(FLAGS.dataset, eval_split), eval_split)
-    return Data(
+    return DataPlan(
         spec=spec,
         image_size=FLAGS.image_size or spec.default_image_size,
         steps_per_epoch=(FLAGS.steps_per_epoch
