@@ -36,7 +36,7 @@ def test_pack_and_unpack_are_mirror_images():
                tf.ones([2, 1, 3])]
     buffer, shapes = fusion.pack(tensors)
     assert buffer.shape == [12 + 1 + 6]
-    for original, restored in zip(tensors, fusion.unpack(buffer, shapes)):
+    for original, restored in zip(tensors, fusion.unpack(buffer, shapes), strict=True):
         np.testing.assert_array_equal(restored, original)
     single, shapes = fusion.pack(tensors[:1])
     np.testing.assert_array_equal(fusion.unpack(single, shapes)[0], tensors[0])
@@ -208,7 +208,7 @@ def test_every_algorithm_sums_integer_valued_floats_exactly(all_reduce_runs, num
     assert set(results[0]["integer"]) == names
     for name in names:
         for result in results:
-            for got, want in zip(result["integer"][name], expected):
+            for got, want in zip(result["integer"][name], expected, strict=True):
                 np.testing.assert_array_equal(got, want, err_msg=name)
 
 
@@ -219,7 +219,7 @@ def test_every_algorithm_is_within_float32_rounding_of_the_float64_sum(
     expected = _sum64(results, "real_inputs")
     bound = [num_workers * F32_U * a for a in _abs_sum64(results, "real_inputs")]
     for name, reduced in results[0]["real"].items():
-        for got, want, b in zip(reduced, expected, bound):
+        for got, want, b in zip(reduced, expected, bound, strict=True):
             assert np.all(np.abs(np.asarray(got) - want) <= b), name
         # Every worker holds the very same bits.
         for result in results[1:]:
@@ -269,7 +269,7 @@ def test_compressed_error_is_within_n_roundings(all_reduce_runs, wire, unit):
     if wire.split("/")[-1] == "float16":
         floor = n * 2.0**-25 * 2 * n * largest / 65504
     worst = 0.0
-    for got, want, a in zip(results[0]["compressed"][wire], expected, abs_sums):
+    for got, want, a in zip(results[0]["compressed"][wire], expected, abs_sums, strict=True):
         error = np.abs(np.asarray(got) - want)
         assert np.all(error <= n * unit * a + floor)
         worst = max(worst, float(np.max(error / np.maximum(a, 1e-300))))
@@ -403,5 +403,5 @@ def test_bucket_all_reduces_overlap_backprop(tmp_path):
         print(f"worker {result['worker_index']}: first bucket summed this many ms "
               f"before the last gradient, per step: {[round(g, 1) for g in gaps]}")
         per_worker.append(gaps)
-    overlapped = [max(step) for step in zip(*per_worker) if max(step) > 20.0]
+    overlapped = [max(step) for step in zip(*per_worker, strict=True) if max(step) > 20.0]
     assert len(overlapped) >= 2, per_worker
