@@ -262,7 +262,7 @@ def train():
     if verbose == "auto":
         verbose = 1 if sys.stdout.isatty() else 2
     fit_callbacks = [
-        checkpoint.TerminateOnNonFiniteLoss(),  # before any save of a bad step
+        callbacks.TerminateOnNonFiniteLoss(),  # before any save of a bad step
         callbacks.Throughput(FLAGS.global_batch_size),
         callbacks.SyncBatchNormStatistics(strategy),
     ]
@@ -270,7 +270,7 @@ def train():
         fit_callbacks.append(callbacks.TensorBoardScalars(
             FLAGS.tensorboard_dir, FLAGS.global_batch_size, strategy))
     if FLAGS.model_dir:
-        fit_callbacks.append(checkpoint.BackupAndResume(
+        fit_callbacks.append(callbacks.BackupAndResume(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps))
     # A run resumed mid-epoch first finishes that epoch, then runs whole ones;
     # each part reads the data from the step it starts at.
@@ -326,9 +326,10 @@ def describe_failure(error):
     import tensorflow as tf
 
     from tfscale import agreement
+    from tfscale import callbacks
     from tfscale import checkpoint
 
-    if isinstance(error, checkpoint.NonFiniteLossError):
+    if isinstance(error, callbacks.NonFiniteLossError):
         kept = ""
         if FLAGS.model_dir:
             step, _ = checkpoint.latest(FLAGS.model_dir)

@@ -19,6 +19,7 @@ def test_defaults():
         "compression": None,
         "timeout_seconds": 300,
         "cost_model": None,
+        "time_all_reduces": True,
     }
 
 
@@ -75,7 +76,7 @@ def test_config_round_trip():
     options = Options(algorithm="hybrid", fusion_threshold_bytes=4096,
                       hybrid_threshold_bytes=1 << 20, local_size=8,
                       compression="bfloat16", timeout_seconds=None,
-                      cost_model=model)
+                      cost_model=model, time_all_reduces=False)
     restored = Options.from_config(options.get_config())
     assert restored == options
     assert restored.cost_model == model
@@ -86,4 +87,11 @@ def test_repr_shows_every_argument():
     assert repr(Options(algorithm="2d", local_size=2)) == (
         "CommunicationOptions(algorithm='2d', fusion_threshold_bytes=33554432, "
         "hybrid_threshold_bytes=None, local_size=2, compression=None, "
-        "timeout_seconds=300, cost_model=None)")
+        "timeout_seconds=300, cost_model=None, time_all_reduces=True)")
+
+
+def test_time_all_reduces_must_be_a_bool():
+    with pytest.raises(TypeError, match=re.escape(
+            "Argument `time_all_reduces` must be True or False. "
+            "Received: time_all_reduces=1")):
+        Options(time_all_reduces=1)

@@ -3,13 +3,32 @@
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
 needs both. Those uses are confined to this module so that a TensorFlow or
-Keras upgrade has one place to check. They are tested against the versions
-pinned in setup.py; tests/test_strategy.py fails loudly if Keras stops routing
-gradients through the hook
-(test_gradients_are_routed_through_tfscale_cross_device_ops), and
-tests/test_bench.py if the benchmarks' timing of stock MWMS stops being called
-(test_train_reports_throughput_efficiency_and_exposed_communication).
+Keras upgrade has one place to check; tests/test_private_api.py fails if any
+other module touches a private attribute. Each use, what it is for, and the
+test that fails loudly when it stops working (versions pinned in setup.py):
+
+- `CollectiveAllReduce._all_reduce` (overridden by
+  `TfscaleCollectiveAllReduce`) and `strategy.extended._cross_device_ops`:
+  route Keras's gradient, loss and metric all-reduces to tfscale.
+  tests/test_strategy.py, test_gradients_are_routed_through_tfscale_cross_device_ops.
+- `_TimedCollectiveAllReduce`: times stock MWMS's own all-reduces for the
+  benchmarks. tests/test_strategy.py, test_stock_strategy_times_its_all_reduces.
+- `CollectiveReplicaLauncher` / `CollectiveKeys` / `collective_ops`: raw
+  collectives over sub-groups of the cluster (`CollectiveGroup`).
+  tests/test_collectives.py (float64-oracle all-reduces of every algorithm).
+- `MultiWorkerMirroredStrategy._collective_key_base`: fresh group keys for
+  each Strategy built in one process (`take_collective_keys`).
+  tests/test_collectives.py, where each configuration is its own Strategy.
+- `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
+  cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
+- `Model._flatten_layers` (`flatten_layers`): every nested layer, to find
+  BatchNorm statistics. tests/reliability/test_batch_norm_sync.py.
+- Keras's `seed_generator_state` variable path (`seed_generator_states`):
+  Dropout's random state, which `tf.train.Checkpoint` does not reach through
+  the model. tests/reliability/test_resume.py (bitwise-equal resume).
 """
+
+import itertools
 
 import keras
 import tensorflow as tf
@@ -27,6 +46,22 @@ TESTED_VERSIONS = {"tensorflow": "2.21.", "keras": "3.15."}
 # MWMS takes group keys 1, 2, ... for itself (one per device set it reduces
 # over); tfscale's own sub-groups start well above them.
 _SUBGROUP_KEY_BASE = 1000
+# Each Strategy of a process takes this many group keys: MWMS's and its
+# sub-groups'. TensorFlow caches each (group key, instance key) with its
+# shapes, so a second Strategy reusing the first one's keys fails with
+# "Shape mismatch in the collective instance".
+_KEYS_PER_STRATEGY = 10_000
+_strategies_built = itertools.count()
+
+
+def take_collective_keys(strategy):
+    """Gives `strategy` group keys that no earlier Strategy of this process used.
+
+    Call it before `MultiWorkerMirroredStrategy.__init__`, which reads the
+    base. Every worker builds its strategies in the same order, so the keys
+    agree across workers.
+    """
+    strategy._collective_key_base = next(_strategies_built) * _KEYS_PER_STRATEGY
 
 
 def check_versions():
@@ -60,12 +95,15 @@ class CollectiveGroup:
             instance keys for the group and orders its collectives.
         timeout_seconds: a collective that has not completed by then fails
             instead of waiting forever for a lost peer; `None` waits forever.
+        key_base: the strategy's collective key base (see
+            `take_collective_keys`); sub-group keys are counted from it.
     """
 
-    def __init__(self, launcher, timeout_seconds):
+    def __init__(self, launcher, timeout_seconds, key_base=0):
         self._launcher = launcher
         self._timeout_seconds = timeout_seconds
         self._timeout = timeout_seconds or 0
+        self._key_base = key_base
         self._subgroups = {}
 
     @property
@@ -93,7 +131,8 @@ class CollectiveGroup:
             size: number of workers in the sub-group.
 
         Returns:
-            A `CollectiveGroup` whose group key is `_SUBGROUP_KEY_BASE + index`.
+            A `CollectiveGroup` whose group key is the strategy's key base
+            plus `_SUBGROUP_KEY_BASE + index`.
         """
         if index in self._subgroups:
             group = self._subgroups[index]
@@ -103,7 +142,7 @@ class CollectiveGroup:
                     f"be reused with size={size}."
                 )
             return group
-        key = _SUBGROUP_KEY_BASE + index
+        key = self._key_base + _SUBGROUP_KEY_BASE + index
         # A CollectiveKeys of its own whose first group key is `key`: it
         # registers the key for this device and counts its instance keys.
         keys = cross_device_utils.CollectiveKeys(group_key_start=key)
@@ -111,7 +150,7 @@ class CollectiveGroup:
         launcher = cross_device_utils.CollectiveReplicaLauncher(
             key, size, keys, self.device, self._launcher._options
         )
-        group = CollectiveGroup(launcher, self._timeout_seconds)
+        group = CollectiveGroup(launcher, self._timeout_seconds, self._key_base)
         self._subgroups[index] = group
         return group
 
@@ -192,7 +231,7 @@ def _as_copyable(tensor):
     return tensor, dtype
 
 
-class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):
+class TfscaleCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
     """MWMS's `CollectiveAllReduce`, with dense all-reduces routed to tfscale.
 
     Keras 3 reduces gradients, metrics and losses through
@@ -205,15 +244,16 @@ class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):
         all_reduce_fn: `fn(tensors, group) -> tensors` that sums a list of dense
             tensors over `group` (a `CollectiveGroup` of all workers).
         timeout_seconds: collective timeout for tfscale's own collectives.
+        key_base: the strategy's collective key base (`take_collective_keys`).
         **stock_args: what MWMS built its own `CollectiveAllReduce` with
             (`_stock_args`), so that the group key stays the same.
     """
 
-    def __init__(self, all_reduce_fn, timeout_seconds, **stock_args):
+    def __init__(self, all_reduce_fn, timeout_seconds, key_base, **stock_args):
         super().__init__(**stock_args)
         self._all_reduce_fn = all_reduce_fn
-        self._groups = [
-            CollectiveGroup(launcher, timeout_seconds)
+        self.groups = [
+            CollectiveGroup(launcher, timeout_seconds, key_base)
             for launcher in self._launchers
         ]
         # Sizes (number of tensors) of every dense batch routed to tfscale,
@@ -225,7 +265,7 @@ class CrossDeviceOps(tf_cross_device_ops.CollectiveAllReduce):
         if any(isinstance(v, tf.IndexedSlices) for v in flat_values):
             return super()._all_reduce(reduce_op, value, replica_id, options)
         self.routed_batch_sizes.append(len(flat_values))
-        group = self._groups[replica_id]
+        group = self.groups[replica_id]
         reduced = self._all_reduce_fn(flat_values, group)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             reduced = [r / self._group_size for r in reduced]
@@ -247,9 +287,11 @@ def _stock_args(strategy):
 def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds):
     """Makes `strategy` (an MWMS) reduce through `all_reduce_fn`.
 
-    Returns the installed `CrossDeviceOps`.
+    Returns the installed `TfscaleCollectiveAllReduce`.
     """
-    ops = CrossDeviceOps(all_reduce_fn, timeout_seconds, **_stock_args(strategy))
+    ops = TfscaleCollectiveAllReduce(
+        all_reduce_fn, timeout_seconds, strategy._collective_key_base,
+        **_stock_args(strategy))
     strategy.extended._cross_device_ops = ops
     return ops
 
@@ -257,19 +299,19 @@ def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds):
 class _TimedCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
     """MWMS's own `CollectiveAllReduce`, each batch timed as tfscale's are."""
 
-    def __init__(self, exposed_seconds, **stock_args):
+    def __init__(self, exposed_communication_seconds, **stock_args):
         super().__init__(**stock_args)
-        self._exposed_seconds = exposed_seconds
+        self._exposed_communication_seconds = exposed_communication_seconds
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         parent = super()._all_reduce
         return collectives.timed_all_reduce(
             lambda v: parent(reduce_op, v, replica_id, options),
-            value, self._exposed_seconds,
+            value, self._exposed_communication_seconds,
         )
 
 
-def time_stock_all_reduces(strategy, exposed_seconds):
+def time_stock_all_reduces(strategy, exposed_communication_seconds):
     """Makes a stock MWMS add its all-reduces' exposed time to a variable.
 
     Its algorithm is unchanged (TensorFlow's own collectives, packed as its
@@ -278,7 +320,7 @@ def time_stock_all_reduces(strategy, exposed_seconds):
     stock and tfscale alike.
     """
     strategy.extended._cross_device_ops = _TimedCollectiveAllReduce(
-        exposed_seconds, **_stock_args(strategy)
+        exposed_communication_seconds, **_stock_args(strategy)
     )
 
 
@@ -296,3 +338,19 @@ def in_multi_worker_mode(strategy):
     return strategy.extended._in_multi_worker_mode()
 
 
+def flatten_layers(model):
+    """Every layer nested in `model` (not `model` itself), depth first.
+
+    Keras 3 has no public recursive walk: `model.layers` stops at the first
+    level, and a BatchNormalization inside a nested block would be missed.
+    """
+    return list(model._flatten_layers(include_self=False))
+
+
+def seed_generator_states(model):
+    """The state variables of the `SeedGenerator`s (Dropout's...) in `model`.
+
+    `tf.train.Checkpoint` does not reach them through the model; without them
+    a resumed Dropout draws other masks. Keras names them by this path.
+    """
+    return [v.value for v in model.variables if "seed_generator_state" in v.path]

@@ -51,6 +51,22 @@ def differences(all_settings):
     return lines
 
 
+def barrier(strategy):
+    """Returns a function that blocks until every worker has called it.
+
+    One all-reduce of a scalar, traced once: build the barrier once and call
+    it as often as needed, on every worker, at the same points.
+    """
+    one = tf.constant([1.0])
+
+    @tf.function
+    def wait_for_all():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.identity(one)))
+
+    return wait_for_all
+
+
 def check_settings_agree(strategy, settings):
     """Raises `SettingsMismatchError` on every worker if any settings differ."""
     if strategy.num_replicas_in_sync == 1:

@@ -17,22 +17,18 @@ import os
 import shutil
 import uuid
 
-import keras
-import numpy as np
 import tensorflow as tf
 
-from tfscale import callbacks
+from tfscale import _tf_private
 
 STATE_FILE = "state.json"
 _KEEP = 2  # checkpoints kept: the newest one and the one before it
 
 
 def _trackable_state(model):
-    # tf.train.Checkpoint does not reach Keras's SeedGenerator states through
-    # the model; without them a resumed Dropout draws other masks.
-    seed_states = [v.value for v in model.variables if "seed_generator_state" in v.path]
     return tf.train.Checkpoint(
-        model=model, optimizer=model.optimizer, seed_states=seed_states
+        model=model, optimizer=model.optimizer,
+        seed_states=_tf_private.seed_generator_states(model),
     )
 
 
@@ -86,69 +82,6 @@ def save(model, directory, step):
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
 
 
-def _step(model):
+def step(model):
     """Steps the model has trained (the optimizer's iteration count)."""
     return int(model.optimizer.iterations.numpy())
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite."""
-
-
-class TerminateOnNonFiniteLoss(keras.callbacks.Callback):
-    """Stops training with `NonFiniteLossError` when the loss is NaN or inf.
-
-    The logged loss is averaged over all workers, so every worker sees it at
-    the same step and stops there together; place this callback before
-    `BackupAndResume` so the bad step is never saved.
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        loss = (logs or {}).get("loss")
-        if loss is not None and not np.isfinite(loss):
-            step = _step(self.model)
-            raise NonFiniteLossError(
-                f"The loss (averaged over all workers) is {loss} at step {step}; "
-                "training stopped. Lower the learning rate, add warmup, or use "
-                "loss scaling (--precision=mixed_float16)."
-            )
-
-
-class BackupAndResume(keras.callbacks.Callback):
-    """Saves the training state every `save_steps` steps and at the end.
-
-    Every worker must use it (BatchNorm statistics are averaged across
-    workers before each save, a collective); only the chief writes.
-
-    Args:
-        directory: where checkpoints go; on a cluster, storage every worker
-            can read (a resumed worker restores from it).
-        strategy: the `tfscale.Strategy`.
-        save_steps: steps between checkpoints.
-    """
-
-    def __init__(self, directory, strategy, save_steps):
-        super().__init__()
-        self.directory = directory
-        self.strategy = strategy
-        self.save_steps = save_steps
-        self._sync = None
-        self._last_saved = None
-
-    def _save(self):
-        step = _step(self.model)
-        if step == self._last_saved:
-            return
-        if self._sync is None:
-            self._sync = callbacks.batch_norm_synchronizer(self.model, self.strategy)
-        self._sync()
-        if self.strategy.is_chief:
-            save(self.model, self.directory, step)
-        self._last_saved = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if _step(self.model) % self.save_steps == 0:
-            self._save()
-
-    def on_train_end(self, logs=None):
-        self._save()

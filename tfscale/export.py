@@ -1,5 +1,8 @@
 """SavedModel export of a trained classifier, written atomically."""
 
+import ctypes
+import errno
+import glob
 import os
 import shutil
 import uuid
@@ -18,8 +21,9 @@ def export_classifier(model, export_dir, dataset_spec, image_size):
     class probabilities `[batch, num_classes]`; resizing and normalization
     run inside, exactly as in training.
 
-    The SavedModel is written next to `export_dir` and renamed into place, so
-    an interrupted export leaves any previous one intact and loadable.
+    The SavedModel is written next to `export_dir` and swapped into place in
+    one atomic step, so a process killed at any moment leaves a complete,
+    loadable export at `export_dir`: the previous one, or the new one.
     """
     height, width, channels = dataset_spec.stored_shape or (None, None, None)
     channels = channels or dataset_spec.channels
@@ -39,16 +43,69 @@ def export_classifier(model, export_dir, dataset_spec, image_size):
         ],
     )
     export_dir = os.path.abspath(export_dir)
-    parent = os.path.dirname(export_dir)
-    os.makedirs(parent, exist_ok=True)
-    partial = f"{export_dir}.partial-{uuid.uuid4().hex[:8]}"
-    previous = f"{export_dir}.previous-{uuid.uuid4().hex[:8]}"
+    os.makedirs(os.path.dirname(export_dir), exist_ok=True)
+    _clean_up_interrupted(export_dir)
+    partial = f"{export_dir}{_PARTIAL}{uuid.uuid4().hex[:8]}"
     try:
         archive.write_out(partial, verbose=False)
-        if os.path.exists(export_dir):
-            os.rename(export_dir, previous)
-        os.rename(partial, export_dir)
+        replace_directory(partial, export_dir)
     finally:
+        # After the swap `partial` holds the previous export.
         shutil.rmtree(partial, ignore_errors=True)
-    shutil.rmtree(previous, ignore_errors=True)
     return export_dir
+
+
+# Siblings of an export directory: one being written (or, after the swap, the
+# previous export being removed), and one a two-rename swap moved aside.
+_PARTIAL = ".partial-"
+_PREVIOUS = ".previous-"
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def replace_directory(source, target):
+    """Moves directory `source` to `target`, replacing it atomically.
+
+    A new `target` is a plain rename. An existing one is exchanged with
+    `source` by Linux's `renameat2(RENAME_EXCHANGE)`, so `target` is never
+    missing; `source` then holds the old contents, for the caller to delete.
+    Where the exchange is unsupported (another OS or filesystem), the old
+    `target` is renamed aside first; a crash between the two renames leaves
+    it at `target.previous-*`, which the next export puts back.
+    """
+    if not os.path.exists(target):
+        os.rename(source, target)
+        return
+    if _exchange(source, target):
+        return
+    previous = f"{target}{_PREVIOUS}{uuid.uuid4().hex[:8]}"
+    os.rename(target, previous)
+    os.rename(source, target)
+    os.rename(previous, source)
+
+
+def _exchange(a, b):
+    """Atomically swaps paths `a` and `b`; False where the OS cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
+                 _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _clean_up_interrupted(export_dir):
+    """Puts back an export a crash left aside, and deletes partial writes.
+
+    One process exports to a directory at a time (the chief), so any
+    sibling left from an earlier export is stale.
+    """
+    previous = sorted(glob.glob(glob.escape(export_dir) + _PREVIOUS + "*"))
+    if previous and not os.path.exists(export_dir):
+        os.rename(previous.pop(), export_dir)
+    for stale in previous + glob.glob(glob.escape(export_dir) + _PARTIAL + "*"):
+        shutil.rmtree(stale, ignore_errors=True)

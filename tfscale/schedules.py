@@ -14,29 +14,26 @@ take the optimizer's step (a Python number or an integer tensor, also inside
 """
 
 import math
-import numbers
 
 import keras
 from keras import ops
 
+from tfscale._validation import is_int
+from tfscale._validation import is_number
+
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
-
-
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _check_float(name, value, rule, ok):
     """Raises ValueError unless `value` is a real number with `ok(value)`."""
-    if not (_is_number(value) and math.isfinite(value) and ok(value)):
+    if not (is_number(value) and math.isfinite(value) and ok(value)):
         raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
     return float(value)
 
 
 def _check_int(name, value, low):
     """Raises ValueError unless `value` is an integer >= `low`."""
-    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and value >= low):
+    if not (is_int(value) and value >= low):
         raise ValueError(
             f"`{name}` must be an integer >= {low}. Received: {name}={value!r}"
         )
@@ -303,9 +300,7 @@ class WarmupPolynomialDecay(LearningRateSchedule):
             lambda v: v > 0,
         )
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        if not (isinstance(decay_steps, numbers.Integral)
-                and not isinstance(decay_steps, bool)
-                and decay_steps > self.warmup_steps):
+        if not (is_int(decay_steps) and decay_steps > self.warmup_steps):
             raise ValueError(
                 "`decay_steps` (the total number of steps) must be an integer "
                 f"greater than `warmup_steps` ({self.warmup_steps}). "

@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from tfscale import _tf_private
 from tfscale import collectives
+from tfscale._validation import is_int
+from tfscale._validation import is_number
 
 _MiB = 1024 * 1024
 
@@ -69,10 +71,11 @@ class CommunicationOptions:
             hybrid threshold and for how many chunks the hierarchical
             algorithms pipeline; `None`: its `DEFAULT`. Fit one to your
             cluster with `cost_model.fit`.
+        time_all_reduces: add each all-reduce's exposed time to
+            `Strategy.exposed_communication_seconds` (two timestamps per
+            all-reduce). `False` leaves the all-reduces untimed, so nothing
+            waits for every input of a batch before its result is stamped.
     """
-
-    ALGORITHMS = tuple(collectives.ALGORITHMS)
-    COMPRESSIONS = tuple(collectives.COMPRESSIONS)
 
     def __init__(
         self,
@@ -83,19 +86,20 @@ class CommunicationOptions:
         compression=None,
         timeout_seconds=300,
         cost_model=None,
+        time_all_reduces=True,
     ):
-        if algorithm not in self.ALGORITHMS:
+        if algorithm not in collectives.ALGORITHMS:
             raise ValueError(
-                f"Argument `algorithm` must be one of {list(self.ALGORITHMS)}. "
+                f"Argument `algorithm` must be one of {list(collectives.ALGORITHMS)}. "
                 f"Received: algorithm={algorithm!r}"
             )
-        if not _is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
+        if not is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
             raise ValueError(
                 "Argument `fusion_threshold_bytes` must be an integer >= 0. "
                 f"Received: fusion_threshold_bytes={fusion_threshold_bytes!r}"
             )
         if hybrid_threshold_bytes is not None:
-            if not _is_int(hybrid_threshold_bytes) or hybrid_threshold_bytes < 0:
+            if not is_int(hybrid_threshold_bytes) or hybrid_threshold_bytes < 0:
                 raise ValueError(
                     "Argument `hybrid_threshold_bytes` must be an integer >= 0, "
                     "or None to take it from the cost model. "
@@ -107,21 +111,20 @@ class CommunicationOptions:
                     f"algorithm='hybrid'; this is algorithm={algorithm!r}. "
                     f"Received: hybrid_threshold_bytes={hybrid_threshold_bytes!r}"
                 )
-        if local_size is not None and (not _is_int(local_size) or local_size < 1):
+        if local_size is not None and (not is_int(local_size) or local_size < 1):
             raise ValueError(
                 "Argument `local_size` must be an integer >= 1 (workers per "
                 "node), or None to group workers by host. "
                 f"Received: local_size={local_size!r}"
             )
-        if compression is not None and compression not in self.COMPRESSIONS:
+        if compression is not None and compression not in collectives.COMPRESSIONS:
             raise ValueError(
                 "Argument `compression` must be None or one of "
-                f"{list(self.COMPRESSIONS)}. Received: compression={compression!r}"
+                f"{list(collectives.COMPRESSIONS)}. "
+                f"Received: compression={compression!r}"
             )
         if timeout_seconds is not None and (
-            not isinstance(timeout_seconds, (int, float))
-            or isinstance(timeout_seconds, bool)
-            or timeout_seconds <= 0
+            not is_number(timeout_seconds) or timeout_seconds <= 0
         ):
             raise ValueError(
                 "Argument `timeout_seconds` must be a number > 0, or None to "
@@ -140,8 +143,14 @@ class CommunicationOptions:
         self.hybrid_threshold_bytes = hybrid_threshold_bytes
         self.local_size = local_size
         self.compression = compression
+        if not isinstance(time_all_reduces, bool):
+            raise TypeError(
+                "Argument `time_all_reduces` must be True or False. "
+                f"Received: time_all_reduces={time_all_reduces!r}"
+            )
         self.timeout_seconds = timeout_seconds
         self.cost_model = cost_model
+        self.time_all_reduces = time_all_reduces
 
     def get_config(self):
         return {
@@ -154,6 +163,7 @@ class CommunicationOptions:
             "cost_model": (
                 None if self.cost_model is None else self.cost_model.get_config()
             ),
+            "time_all_reduces": self.time_all_reduces,
         }
 
     @classmethod
@@ -176,47 +186,29 @@ class CommunicationOptions:
         )
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """Stock MultiWorkerMirroredStrategy with only the Keras 3 `fit` fix.
 
-
-class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
-    """Synchronous data-parallel training over the workers in TF_CONFIG.
-
-    Without TF_CONFIG this is one worker. With it, each worker process runs
-    one replica (one device per process, as with Horovod) and the global batch
-    is split evenly across them. Use it as any `tf.distribute.Strategy`:
-
-    ```python
-    strategy = tfscale.Strategy()
-    with strategy.scope():
-        model = models.resnet50(num_classes=1000)
-        model.compile(optimizer=..., loss=...)
-    model.fit(dataset, epochs=...)
-    ```
+    Gradients take TensorFlow's own all-reduce, packed as
+    `communication_options` says. This is the baseline tfscale's benchmarks
+    compare against, and the base of `tfscale.Strategy`, which adds its own
+    all-reduce. One replica per worker process, as with Horovod.
 
     Args:
-        communication: a `tfscale.CommunicationOptions`; defaults to its
-            defaults.
-        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
-            (for example `SlurmClusterResolver`); defaults to TF_CONFIG.
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`;
+            defaults to TF_CONFIG.
+        communication_options: a `tf.distribute.experimental.CommunicationOptions`.
+        time_all_reduces: add each all-reduce's exposed time to
+            `exposed_communication_seconds`.
     """
 
-    def __init__(self, communication=None, cluster_resolver=None):
-        if communication is None:
-            communication = CommunicationOptions()
-        if not isinstance(communication, CommunicationOptions):
-            raise TypeError(
-                "Argument `communication` must be a "
-                "`tfscale.CommunicationOptions`. "
-                f"Received: communication={communication!r}"
-            )
+    def __init__(self, cluster_resolver=None, communication_options=None,
+                 time_all_reduces=False):
         _tf_private.check_versions()
+        _tf_private.take_collective_keys(self)
         super().__init__(
             cluster_resolver=cluster_resolver,
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=communication.timeout_seconds
-            ),
+            communication_options=communication_options,
         )
         devices = _tf_private.local_devices(self)
         if len(devices) > 1:
@@ -226,58 +218,31 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
                 "Start one worker per device and limit each to its own, e.g. "
                 f"with CUDA_VISIBLE_DEVICES. Received: devices={devices}"
             )
-        self.communication = communication
-        resolver = self.cluster_resolver
-        cluster_spec = _tf_private.cluster_spec_dict(self)
-        topology = collectives.topology.from_cluster_spec(
-            cluster_spec,
-            rank=collectives.topology.rank_in_cluster(
-                cluster_spec, resolver.task_type, resolver.task_id or 0
-            ),
-            local_size=communication.local_size,
-        )
-        if topology.num_workers != self.num_replicas_in_sync:
-            raise ValueError(
-                f"The cluster spec lists {topology.num_workers} chief/worker "
-                f"tasks but {self.num_replicas_in_sync} replicas are in sync; "
-                "tfscale needs one replica per chief/worker task. "
-                f"Received: cluster_spec={cluster_spec!r}"
-            )
-        with tf.device(devices[0]):
-            self._exposed_communication_seconds = tf.Variable(
-                0.0, dtype=tf.float64, trainable=False,
-                name="exposed_communication_seconds",
-            )
-        self._tfscale_all_reduce = collectives.AllReduce(
-            topology,
-            algorithm=communication.algorithm,
-            fusion_threshold_bytes=communication.fusion_threshold_bytes,
-            hybrid_threshold_bytes=communication.hybrid_threshold_bytes,
-            compression=communication.compression,
-            cost_model=communication.cost_model,
-            log_plans=self.is_chief,
-            exposed_seconds=self._exposed_communication_seconds,
-        )
-        self._tfscale_cross_device_ops = _tf_private.install_cross_device_ops(
-            self,
-            self._tfscale_all_reduce,
-            timeout_seconds=communication.timeout_seconds,
-        )
-        if self.is_chief:
-            logging.info(
-                "tfscale.Strategy: %s; %s.", topology.describe(), communication
-            )
+        self._exposed_communication_seconds = None
+        if time_all_reduces:
+            with tf.device(devices[0]):
+                self._exposed_communication_seconds = tf.Variable(
+                    0.0, dtype=tf.float64, trainable=False,
+                    name="exposed_communication_seconds",
+                )
+        self._install_all_reduce()
+
+    def _install_all_reduce(self):
+        """Routes the all-reduces; here: TensorFlow's own, timed if asked."""
+        if self._exposed_communication_seconds is not None:
+            _tf_private.time_stock_all_reduces(
+                self, self._exposed_communication_seconds)
 
     @property
     def exposed_communication_seconds(self):
-        """Seconds this worker has waited on all-reduces, in total.
+        """Seconds this worker has waited on all-reduces, in total, or `None`.
 
-        A float64 `tf.Variable` to which every all-reduce tfscale runs
-        (gradients, and the scalars Keras and the loss scale reduce) adds the
-        time from its last input being ready to its last result being ready:
-        the communication not hidden behind computing those inputs, plus any
-        wait for slower workers. The difference of two readings around a step
-        is that step's exposed communication;
+        A float64 `tf.Variable` (`None` unless all-reduces are timed) to which
+        every all-reduce (gradients, and the scalars Keras and the loss scale
+        reduce) adds the time from its last input being ready to its last
+        result being ready: the communication not hidden behind computing
+        those inputs, plus any wait for slower workers. The difference of two
+        readings around a step is that step's exposed communication;
         `tfscale.callbacks.TensorBoardScalars` writes it per step.
         """
         return self._exposed_communication_seconds
@@ -301,8 +266,9 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
         """`tf.distribute.Strategy.reduce`, mapped over nests.
 
         Keras 3 reduces a whole data batch (a nest) to build the model and
-        reduces scalar metrics with `axis=0`; multi-worker MWMS rejects both.
-        Rank-0 values are reduced across replicas only.
+        reduces scalar metrics with `axis=0`; multi-worker MWMS rejects both
+        (keras-team/keras#20585, tensorflow/tensorflow#72388). Rank-0 values
+        are reduced across replicas only.
         """
         parent_reduce = super().reduce
 
@@ -313,6 +279,119 @@ class Strategy(tf.distribute.MultiWorkerMirroredStrategy):
             )
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+class Strategy(KerasMultiWorkerMirroredStrategy):
+    """Synchronous data-parallel training over the workers in TF_CONFIG.
+
+    Without TF_CONFIG this is one worker. With it, each worker process runs
+    one replica (one device per process, as with Horovod) and the global batch
+    is split evenly across them. Use it as any `tf.distribute.Strategy`:
+
+    ```python
+    strategy = tfscale.Strategy()
+    with strategy.scope():
+        model = models.resnet50(num_classes=1000)
+        model.compile(optimizer=..., loss=...)
+    model.fit(dataset, epochs=...)
+    ```
+
+    Several strategies may be built one after another in one process (every
+    worker in the same order); each takes collective keys of its own.
+
+    Args:
+        communication: a `tfscale.CommunicationOptions`; defaults to its
+            defaults.
+        cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
+            (for example `SlurmClusterResolver`); defaults to TF_CONFIG.
+    """
+
+    def __init__(self, communication=None, cluster_resolver=None):
+        if communication is None:
+            communication = CommunicationOptions()
+        if not isinstance(communication, CommunicationOptions):
+            raise TypeError(
+                "Argument `communication` must be a "
+                "`tfscale.CommunicationOptions`. "
+                f"Received: communication={communication!r}"
+            )
+        self.communication = communication
+        super().__init__(
+            cluster_resolver=cluster_resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=communication.timeout_seconds
+            ),
+            time_all_reduces=communication.time_all_reduces,
+        )
+        if self.is_chief:
+            logging.info(
+                "tfscale.Strategy: %s; %s.", self._topology.describe(), communication
+            )
+
+    def _install_all_reduce(self):
+        """Routes dense all-reduces through tfscale's fused collectives."""
+        communication = self.communication
+        cluster_spec = _tf_private.cluster_spec_dict(self)
+        resolver = self.cluster_resolver
+        self._topology = collectives.topology.from_cluster_spec(
+            cluster_spec,
+            rank=collectives.topology.rank_in_cluster(
+                cluster_spec, resolver.task_type, resolver.task_id or 0
+            ),
+            local_size=communication.local_size,
+        )
+        if self._topology.num_workers != self.num_replicas_in_sync:
+            raise ValueError(
+                f"The cluster spec lists {self._topology.num_workers} chief/worker "
+                f"tasks but {self.num_replicas_in_sync} replicas are in sync; "
+                "tfscale needs one replica per chief/worker task. "
+                f"Received: cluster_spec={cluster_spec!r}"
+            )
+        self._all_reduce = collectives.AllReduce(
+            self._topology,
+            algorithm=communication.algorithm,
+            fusion_threshold_bytes=communication.fusion_threshold_bytes,
+            hybrid_threshold_bytes=communication.hybrid_threshold_bytes,
+            compression=communication.compression,
+            cost_model=communication.cost_model,
+            log_plans=self.is_chief,
+            exposed_communication_seconds=self._exposed_communication_seconds,
+        )
+        self._routed_ops = _tf_private.install_cross_device_ops(
+            self, self._all_reduce, timeout_seconds=communication.timeout_seconds,
+        )
+
+    @property
+    def topology(self):
+        """The `tfscale.collectives.topology.Topology`: nodes, this worker's rank."""
+        return self._topology
+
+    @property
+    def collective_group(self):
+        """This worker's `CollectiveGroup` of all workers, for custom collectives.
+
+        Its `all_reduce`, `all_gather`, `broadcast_send`/`broadcast_recv` and
+        `subgroup` issue TensorFlow collectives with this strategy's keys and
+        timeout; every worker must issue the same ones in the same order.
+        """
+        return self._routed_ops.groups[0]
+
+    @property
+    def collective_groups(self):
+        """The `tfscale.collectives.Groups` (all workers, and the in-node and
+        cross-node sub-groups of the topology) the algorithms run on."""
+        return self._all_reduce.groups(self.collective_group)
+
+    def all_reduce_plan(self, tensors):
+        """The fused buckets (`tfscale.collectives.Bucket`) this strategy
+        all-reduces `tensors` (given in forward order) in."""
+        return self._all_reduce.plan(tensors)
+
+    @property
+    def all_reduce_batch_sizes(self):
+        """Number of tensors in each dense batch routed through tfscale's
+        all-reduce, recorded when traced (shows that Keras uses the hook)."""
+        return list(self._routed_ops.routed_batch_sizes)
 
 
 def _rank(value):

@@ -93,7 +93,7 @@ def main(argv):
     buffer = tf.constant(np.random.default_rng(300 + rank).integers(
         -1000, 1000, BUFFER_LENGTH).astype(np.float32))
     chunked = {}
-    for name, fn in algorithms.ALGORITHMS.items():
+    for name, fn in algorithms.BUFFER_ALGORITHMS.items():
         if name in refused:
             continue
         for num_chunks in (1, 3):

@@ -91,7 +91,7 @@ def main(argv):
         "non_trainable": [v.numpy().ravel().tolist()
                           for v in model.non_trainable_variables],
         "num_trainable": len(model.trainable_variables),
-        "routed_batch_sizes": strategy._tfscale_cross_device_ops.routed_batch_sizes,
+        "routed_batch_sizes": strategy.all_reduce_batch_sizes,
         "loss": history.history["loss"],
         "evaluation": evaluation,
         "predictions": np.asarray(predictions).tolist(),

@@ -171,7 +171,7 @@ def _split(buffer, num_chunks):
 
 
 # Name -> function; "hybrid" is a choice between two of these per buffer.
-ALGORITHMS = {
+BUFFER_ALGORITHMS = {
     "ring": ring_all_reduce,
     "hierarchical": hierarchical_all_reduce,
     "2d": two_d_all_reduce,

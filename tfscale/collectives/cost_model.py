@@ -26,7 +26,10 @@ import math
 
 import numpy as np
 
-ALGORITHMS = ("ring", "hierarchical", "2d")
+from tfscale._validation import is_int
+from tfscale._validation import is_number
+from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
+
 # Chunk counts the pipelined algorithms choose from.
 CHUNK_CHOICES = (1, 2, 4, 8, 16, 32)
 # The hybrid threshold is searched up to this size.
@@ -48,9 +51,7 @@ class Link:
     def __post_init__(self):
         for name in ("alpha", "beta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                0 <= value < math.inf
-            ):
+            if not is_number(value) or not 0 <= value < math.inf:
                 raise ValueError(
                     f"Argument `{name}` must be a finite number >= 0 (seconds"
                     f"{'' if name == 'alpha' else ' per byte'}). "
@@ -78,7 +79,7 @@ class CostModel:
         """Times of the stages one buffer goes through, in order.
 
         Args:
-            algorithm: one of `ALGORITHMS`.
+            algorithm: one of `BUFFER_ALGORITHMS`.
             size_bytes: bytes of the buffer.
             node_sizes: number of workers in each node. With one node, or one
                 worker per node, the hierarchical algorithms run as a ring
@@ -114,7 +115,7 @@ class CostModel:
         """Predicted seconds to all-reduce one buffer.
 
         Args:
-            algorithm: one of `ALGORITHMS`.
+            algorithm: one of `BUFFER_ALGORITHMS`.
             size_bytes: bytes of the buffer.
             node_sizes: number of workers in each node.
             num_chunks: chunks pipelined through the stages; `None`: the best
@@ -253,9 +254,9 @@ def fit(measurements, node_sizes, prior=DEFAULT):
 
 
 def _check_algorithm(algorithm):
-    if algorithm not in ALGORITHMS:
+    if algorithm not in BUFFER_ALGORITHMS:
         raise ValueError(
-            f"Argument `algorithm` must be one of {list(ALGORITHMS)}. "
+            f"Argument `algorithm` must be one of {list(BUFFER_ALGORITHMS)}. "
             f"Received: algorithm={algorithm!r}"
         )
 
@@ -263,8 +264,7 @@ def _check_algorithm(algorithm):
 def _check_node_sizes(node_sizes):
     sizes = tuple(node_sizes)
     if not sizes or any(
-        not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1
-        for s in sizes
+not is_int(s) or s < 1 for s in sizes
     ):
         raise ValueError(
             "Argument `node_sizes` must be a non-empty list of integers >= 1. "

@@ -12,6 +12,8 @@ as MultiWorkerMirroredStrategy numbers them.
 
 import dataclasses
 
+from tfscale._validation import is_int
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -216,7 +218,7 @@ def from_hosts(hosts, rank, local_size=None):
             by_host.setdefault(host, []).append(r)
         nodes = sorted(by_host.values(), key=lambda node: node[0])
     else:
-        if not isinstance(local_size, int) or isinstance(local_size, bool) or local_size < 1:
+        if not is_int(local_size) or local_size < 1:
             raise ValueError(
                 "Argument `local_size` must be an integer >= 1, or None. "
                 f"Received: local_size={local_size!r}"

@@ -1,10 +1,11 @@
 """LARS: layer-wise adaptive rate scaling, as a Keras 3 optimizer."""
 
-import numbers
 import re
 
 import keras
 from keras import ops
+
+from tfscale._validation import is_number
 
 # Default exclusions (used when `exclude_from_weight_decay=None`): biases and
 # normalization parameters. Keras names BatchNormalization's trainable
@@ -35,8 +36,7 @@ def _variable_path(variable):
 def _check_number(name, value, low, high=None):
     """Raises ValueError unless `low <= value (<= high)`; returns a float."""
     ok = (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
+        is_number(value)
         and value >= low
         and (high is None or value <= high)
     )

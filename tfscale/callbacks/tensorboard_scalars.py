@@ -1,89 +1,9 @@
-"""Keras callbacks for multi-worker training."""
+"""`TensorBoardScalars`: per-step scalars of a multi-worker run."""
 
 import time
 
 import keras
 import tensorflow as tf
-
-
-class Throughput(keras.callbacks.Callback):
-    """Adds `images_per_second` (over all workers) to each epoch's logs.
-
-    Measured from the first batch's end to the epoch's end, so graph building
-    and the first step's warm-up are left out.
-
-    Args:
-        global_batch_size: examples per step over all workers.
-    """
-
-    def __init__(self, global_batch_size):
-        super().__init__()
-        self.global_batch_size = global_batch_size
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = None
-        self._steps = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._start is None:
-            self._start = time.perf_counter()
-        else:
-            self._steps += 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self._steps:
-            elapsed = time.perf_counter() - self._start
-            logs["images_per_second"] = self._steps * self.global_batch_size / elapsed
-
-
-def batch_norm_statistics(model):
-    """The moving mean/variance variables of every BatchNormalization layer."""
-    variables = []
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.BatchNormalization):
-            variables += [layer.moving_mean, layer.moving_variance]
-    return variables
-
-
-def batch_norm_synchronizer(model, strategy):
-    """A function that averages BatchNorm moving statistics across workers.
-
-    Each worker updates them from its own batches, so they drift apart (the
-    variables are not aggregated). Call the returned function on EVERY worker,
-    at the same point, before a checkpoint or export so all hold the same
-    statistics. Build it once: each build traces a new graph.
-    """
-    variables = [v.value for v in batch_norm_statistics(model)]
-    if not variables or strategy.num_replicas_in_sync == 1:
-        return lambda: None
-
-    @tf.function
-    def sync():
-        def replica_fn():
-            context = tf.distribute.get_replica_context()
-            means = context.all_reduce(
-                tf.distribute.ReduceOp.MEAN, [v.read_value() for v in variables]
-            )
-            for variable, mean in zip(variables, means):
-                variable.assign(mean)
-
-        strategy.run(replica_fn)
-
-    return sync
-
-
-class SyncBatchNormStatistics(keras.callbacks.Callback):
-    """Averages BatchNorm moving statistics across workers after every epoch."""
-
-    def __init__(self, strategy):
-        super().__init__()
-        self.strategy = strategy
-        self._sync = None
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self._sync is None:
-            self._sync = batch_norm_synchronizer(self.model, self.strategy)
-        self._sync()
 
 
 class TensorBoardScalars(keras.callbacks.Callback):
@@ -155,4 +75,3 @@ class TensorBoardScalars(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._writer is not None:
             self._writer.flush()
-

@@ -1,0 +1,207 @@
+"""`AllReduce`: runs the plan of each list of tensors on this worker's groups."""
+
+import math
+
+from absl import logging
+import tensorflow as tf
+
+from tfscale.collectives import algorithms
+from tfscale.collectives import compression as compression_lib
+from tfscale.collectives import cost_model as cost_model_lib
+from tfscale.collectives import fusion
+from tfscale.collectives import topology as topology_lib
+from tfscale.collectives.plan import ALGORITHMS
+from tfscale.collectives.plan import check_supported
+from tfscale.collectives.plan import describe_plan
+from tfscale.collectives.plan import hybrid_threshold
+from tfscale.collectives.plan import plan
+
+
+def timed_all_reduce(reduce_fn, tensors, exposed_communication_seconds):
+    """`reduce_fn(tensors)`, adding its exposed communication time to a variable.
+
+    Adds to `exposed_communication_seconds` (a float64 `tf.Variable`) the
+    seconds from the moment the last of `tensors` is ready to the moment the
+    last result is: the part of the all-reduce not overlapped with computing
+    its inputs.
+
+    Returns:
+        What `reduce_fn` returns (tensors, or a nest of them).
+    """
+    with tf.control_dependencies(tf.nest.flatten(tensors)):
+        inputs_ready = tf.timestamp()
+    reduced = reduce_fn(tensors)
+    with tf.control_dependencies(tf.nest.flatten(reduced)):
+        # A stateful op: tf.function runs it although nothing consumes it.
+        exposed_communication_seconds.assign_add(tf.timestamp() - inputs_ready)
+    return reduced
+
+
+def make_groups(world, topology):
+    """This worker's `algorithms.Groups`, sub-groups created from `world`.
+
+    Args:
+        world: `CollectiveGroup` (tfscale._tf_private) of all workers.
+        topology: a `topology.Topology`.
+    """
+    groups = {
+        kind: world.subgroup(index, size)
+        for kind, (index, size) in topology_lib.subgroup_indices(topology).items()
+    }
+    return algorithms.Groups(
+        world=world,
+        intra_in=groups.get("intra_in"),
+        intra_out=groups.get("intra_out"),
+        cross=groups.get("cross"),
+        local_rank=topology.local_rank,
+        local_size=topology.local_size,
+    )
+
+
+def fused_all_reduce(tensors, groups, buckets, compression=None):
+    """Sums `tensors` over all workers following a plan.
+
+    Args:
+        tensors: dense tensors, in the order given to `plan`.
+        groups: this worker's `algorithms.Groups`.
+        buckets: `plan(...)` for these tensors.
+        compression: as given to `plan` (applied where a bucket's
+            `wire_dtype` says so).
+
+    Returns:
+        The summed tensors, in the order given.
+    """
+    num_workers = groups.world.size
+
+    def max_all_reduce(value):
+        return groups.world.all_reduce(value, merge_op="Max")
+
+    results = [None] * len(tensors)
+    for bucket in buckets:
+        buffer, shapes = fusion.pack([tensors[i] for i in bucket.indices])
+        wire, context = compression_lib.compress(
+            buffer, compression if bucket.wire_dtype != bucket.dtype else None,
+            num_workers, max_all_reduce,
+        )
+        reduce_buffer = algorithms.BUFFER_ALGORITHMS[bucket.algorithm]
+        reduced = compression_lib.decompress(
+            reduce_buffer(wire, groups, bucket.num_chunks), context
+        )
+        for i, tensor in zip(bucket.indices, fusion.unpack(reduced, shapes)):
+            results[i] = tensor
+    return results
+
+
+class AllReduce:
+    """What `tfscale.Strategy` hands its cross-device ops: `fn(tensors, world)`.
+
+    Fuses tensors in backward order (last layer first: backprop produces those
+    first, so their buckets can be reduced while earlier layers are still
+    being differentiated), plans each bucket, and runs the plan. The plan of
+    each distinct list of tensors is logged once, where `log_plans` is set
+    (the chief).
+
+    Args:
+        topology: a `topology.Topology`.
+        algorithm: one of `ALGORITHMS`.
+        fusion_threshold_bytes: bucket size, see `fusion.bucket_indices`.
+        hybrid_threshold_bytes: see `plan`.
+        compression: see `plan`.
+        cost_model: see `plan`.
+        log_plans: whether to log each new plan (set it on the chief only).
+        exposed_communication_seconds: `None`, or a float64 `tf.Variable` to
+            which each call adds its exposed communication time (see
+            `timed_all_reduce`).
+            Buckets reduced while backprop still runs are hidden from it;
+            waiting for a slower worker is not.
+    """
+
+    def __init__(
+        self, topology, algorithm, fusion_threshold_bytes,
+        hybrid_threshold_bytes=None, compression=None, cost_model=None,
+        log_plans=False, exposed_communication_seconds=None,
+    ):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"Argument `algorithm` must be one of {list(ALGORITHMS)}. "
+                f"Received: algorithm={algorithm!r}"
+            )
+        check_supported(topology, algorithm)
+        self.topology = topology
+        self.algorithm = algorithm
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.hybrid_threshold_bytes = hybrid_threshold_bytes
+        self.compression = compression
+        self.cost_model = cost_model or cost_model_lib.DEFAULT
+        self.log_plans = log_plans
+        self.exposed_communication_seconds = exposed_communication_seconds
+        # Resolved once: the cost model's search is not free, and the log
+        # should say where the value came from.
+        self.threshold_bytes, self.threshold_source = (None, None)
+        if algorithm == "hybrid":
+            self.threshold_bytes, self.threshold_source = hybrid_threshold(
+                topology, hybrid_threshold_bytes, self.cost_model
+            )
+        self._groups = {}
+        self._logged = set()
+
+    def plan(self, tensors):
+        """The buckets for `tensors` (given in forward order)."""
+        backward = list(reversed(tensors))
+        return plan(
+            [fusion.size_bytes(t) for t in backward],
+            [t.dtype for t in backward],
+            self.topology, self.algorithm, self.fusion_threshold_bytes,
+            self.threshold_bytes, self.compression, self.cost_model,
+        )
+
+    def groups(self, world):
+        """This worker's groups under `world`, created once."""
+        if id(world) not in self._groups:
+            if self.algorithm == "ring" or self.topology.is_flat:
+                groups = algorithms.Groups(world=world)  # no sub-groups needed
+            else:
+                groups = make_groups(world, self.topology)
+            # Holding `world` keeps its id from being reused.
+            self._groups[id(world)] = (world, groups)
+        return self._groups[id(world)][1]
+
+    def __call__(self, tensors, world):
+        """Sums `tensors` (dense, forward order) over all workers."""
+        backward = list(reversed(tensors))
+        buckets = self.plan(tensors)
+        self._log(buckets)
+        def reduce_fn(backward):
+            return fused_all_reduce(
+                backward, self.groups(world), buckets, self.compression
+            )
+
+        if self.exposed_communication_seconds is None:
+            return list(reversed(reduce_fn(backward)))
+        return list(reversed(
+            timed_all_reduce(reduce_fn, backward, self.exposed_communication_seconds)
+        ))
+
+    def _log(self, buckets):
+        key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
+        if not self.log_plans or key in self._logged:
+            return
+        self._logged.add(key)
+        threshold = ""
+        if self.algorithm == "hybrid" and self.threshold_source != "given":
+            threshold = ", hybrid: each bucket by the cost model's faster prediction"
+        elif self.algorithm == "hybrid":
+            value = self.threshold_bytes
+            shown = (
+                "none (hierarchical at every size)" if value == math.inf
+                else f"{value:,} bytes"
+            )
+            threshold = f", hybrid threshold {shown} ({self.threshold_source})"
+        logging.info(
+            "tfscale all-reduce of %d tensor(s) on %s: algorithm=%s, "
+            "fusion_threshold_bytes=%s, compression=%s%s; %d bucket(s), "
+            "last layers first:\n%s",
+            sum(len(b.indices) for b in buckets), self.topology.describe(),
+            self.algorithm, f"{self.fusion_threshold_bytes:,}", self.compression,
+            threshold, len(buckets), describe_plan(buckets),
+        )

@@ -1,0 +1,168 @@
+"""The all-reduce plan: fused buckets, each with its algorithm and chunking.
+
+`plan` is a pure function of static information (tensor sizes and dtypes, the
+topology, the options), so every worker computes the same plan and issues the
+same collectives in the same order.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from tfscale.collectives import algorithms
+from tfscale.collectives import compression as compression_lib
+from tfscale.collectives import cost_model as cost_model_lib
+from tfscale.collectives import fusion
+
+# Algorithms a user can ask for: one of the buffer algorithms, or "hybrid":
+# per bucket, "hierarchical" below the hybrid threshold and "ring" at or
+# above it (Jia et al. 2018, section 4.3).
+ALGORITHMS = (*algorithms.BUFFER_ALGORITHMS, "hybrid")
+COMPRESSIONS = tuple(compression_lib.WIRE_DTYPES)
+# 2d tags shards with the local rank in the wire dtype; bfloat16 holds the
+# integers up to 256 exactly.
+MAX_2D_LOCAL_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One fused buffer and how it is all-reduced.
+
+    Attributes:
+        indices: positions, in the list handed to `plan`, of its tensors.
+        size_bytes: bytes of its tensors (0 when a shape is only known at
+            run time).
+        dtype: dtype of its tensors.
+        wire_dtype: dtype on the wire (differs from `dtype` when compressed).
+        algorithm: `"ring"`, `"hierarchical"` or `"2d"`.
+        num_chunks: independent chains the buffer is split into.
+    """
+
+    indices: tuple
+    size_bytes: int
+    dtype: tf.DType
+    wire_dtype: tf.DType
+    algorithm: str
+    num_chunks: int
+
+    @property
+    def wire_bytes(self):
+        return self.size_bytes // self.dtype.size * self.wire_dtype.size
+
+
+def check_supported(topology, algorithm):
+    """Raises if `algorithm` cannot run on `topology`.
+
+    Only "2d" has requirements: nodes of equal size (its shards are 1/k of a
+    node's buffer, the same k everywhere) of at most `MAX_2D_LOCAL_SIZE`.
+    """
+    if algorithm != "2d" or topology.is_flat:
+        return
+    if not topology.equal_nodes:
+        raise NotImplementedError(
+            "algorithm='2d' needs nodes with the same number of workers; this "
+            f"cluster has {topology.describe()}. Use algorithm='hierarchical' "
+            "or 'hybrid' (both handle unequal nodes), or set `local_size` to a "
+            "divisor of the number of workers."
+        )
+    if topology.local_size > MAX_2D_LOCAL_SIZE:
+        raise NotImplementedError(
+            f"algorithm='2d' supports nodes of at most {MAX_2D_LOCAL_SIZE} "
+            f"workers; this cluster has {topology.describe()}. Use "
+            "algorithm='hierarchical' instead."
+        )
+
+
+def hybrid_threshold(topology, hybrid_threshold_bytes=None, cost_model=None):
+    """The threshold "hybrid" uses: as given, or the cost model's.
+
+    Returns:
+        `(threshold_bytes, source)` with source `"given"` or `"cost model"`;
+        the threshold may be `math.inf` (see
+        `CostModel.hybrid_threshold_bytes`).
+    """
+    if hybrid_threshold_bytes is not None:
+        return hybrid_threshold_bytes, "given"
+    model = cost_model or cost_model_lib.DEFAULT
+    return model.hybrid_threshold_bytes(topology.node_sizes), "cost model"
+
+
+def plan(
+    sizes_bytes, dtypes, topology, algorithm, fusion_threshold_bytes,
+    hybrid_threshold_bytes=None, compression=None, cost_model=None,
+):
+    """Buckets tensors and picks each bucket's algorithm and chunking.
+
+    A pure function of static information: every worker computes the same plan.
+
+    Args:
+        sizes_bytes: bytes of each tensor, in the order they are reduced
+            (backward order for gradients); 0 for a shape known only at run
+            time.
+        dtypes: dtype of each tensor.
+        topology: a `topology.Topology`.
+        algorithm: one of `ALGORITHMS`.
+        fusion_threshold_bytes: see `fusion.bucket_indices`.
+        hybrid_threshold_bytes: for "hybrid": wire bytes at which a bucket
+            goes by ring instead of hierarchical; `None`: each bucket takes
+            the algorithm the cost model predicts faster.
+        compression: `None` or one of `COMPRESSIONS`; applies to float32
+            buckets of more than one element.
+        cost_model: a `cost_model.CostModel` for the hybrid threshold and
+            chunk counts; `None`: `cost_model.DEFAULT`.
+
+    Returns:
+        A list of `Bucket`.
+    """
+    model = cost_model or cost_model_lib.DEFAULT
+    threshold = None
+    if algorithm == "hybrid":
+        threshold, _ = hybrid_threshold(topology, hybrid_threshold_bytes, model)
+    buckets = []
+    for indices in fusion.bucket_indices(sizes_bytes, dtypes, fusion_threshold_bytes):
+        dtype = tf.as_dtype(dtypes[indices[0]])
+        size = sum(sizes_bytes[i] for i in indices)
+        wire_dtype = dtype
+        # A lone scalar (a loss, a metric, a loss-scale flag) saves nothing
+        # and is read as an exact number: it travels as it is.
+        if size > dtype.size:
+            wire_dtype = compression_lib.wire_dtype(dtype, compression)
+        wire_bytes = size // dtype.size * wire_dtype.size
+        chosen = algorithm
+        if algorithm == "hybrid" and hybrid_threshold_bytes is None:
+            # The cost model decides each bucket by predicted time: its
+            # crossover may run either way (a fitted model can favour the ring
+            # for small buffers and hierarchical for large ones).
+            node_sizes = topology.node_sizes
+            faster = model.predict("hierarchical", wire_bytes, node_sizes) < (
+                model.predict("ring", wire_bytes, node_sizes))
+            chosen = "hierarchical" if faster else "ring"
+        elif algorithm == "hybrid":
+            chosen = "hierarchical" if wire_bytes < threshold else "ring"
+        # A shape known only at run time (a data batch Keras reduces once)
+        # cannot be split into static chunks or shards; a ring handles it.
+        if topology.is_flat or any(sizes_bytes[i] == 0 for i in indices):
+            chosen = "ring"
+        num_chunks = 1
+        if chosen != "ring":
+            num_chunks = model.best_num_chunks(chosen, wire_bytes, topology.node_sizes)
+        buckets.append(Bucket(
+            indices=tuple(indices), size_bytes=size, dtype=dtype,
+            wire_dtype=wire_dtype, algorithm=chosen, num_chunks=num_chunks,
+        ))
+    return buckets
+
+
+def describe_plan(buckets):
+    """One line per bucket, for the log."""
+    lines = []
+    for i, b in enumerate(buckets):
+        wire = ""
+        if b.wire_dtype != b.dtype:
+            wire = f" -> {b.wire_bytes:,} bytes {b.wire_dtype.name} on the wire"
+        chunks = f" in {b.num_chunks} chunks" if b.num_chunks > 1 else ""
+        lines.append(
+            f"  bucket {i}: {len(b.indices)} tensor(s), {b.size_bytes:,} bytes "
+            f"{b.dtype.name}{wire}: {b.algorithm}{chunks}"
+        )
+    return "\n".join(lines)
