@@ -206,6 +206,8 @@ def test_every_algorithm_sums_integer_valued_floats_exactly(all_reduce_runs, num
     expected = _sum64(results, "integer_inputs")
     names = {"ring", "hierarchical", "hybrid"} | ({"2d"} if num_workers == 4 else set())
     assert set(results[0]["integer"]) == names
+    for result in results:  # each Strategy's tfscale all-reduce: 7 integer
+        assert result["routed"] == {name: [7, 6] for name in names}  # then 6 real
     for name in names:
         for result in results:
             for got, want in zip(result["integer"][name], expected, strict=True):
