@@ -334,6 +334,9 @@ def _flat(weights):
 def test_fit_gives_bitwise_identical_weights_on_all_workers(fit_runs, num_workers):
     results = fit_runs[num_workers].results
     assert set(results[0]["results"]) == set(FIT_CONFIGS[num_workers])
+    for result in results:  # the 4 gradients went through each Strategy's tfscale
+        for config, sizes in result["all_reduce_batch_sizes"].items():
+            assert 4 in sizes, (config, sizes)
     for config in FIT_CONFIGS[num_workers]:
         weights = _flat(results[0]["results"][config]["weights"])
         for result in results[1:]:
@@ -369,9 +372,15 @@ def test_fit_hybrid_uses_both_algorithms_and_the_chief_logs_it(fit_runs):
         "tfscale.Strategy: " in l or "tfscale all-reduce of" in l)]
     # The chief's own lines: other workers' output may interleave.
     lines = [l for l in output if l.startswith("[worker 0]")]
-    strategy = [l for l in lines if "tfscale.Strategy: " in l]
-    assert len(strategy) == 1
-    assert "4 workers in 2 nodes of 2; CommunicationOptions(algorithm='ring'" in strategy[0]
+    strategies = [l for l in lines if "tfscale.Strategy: " in l]
+    # One Strategy per configuration, each with the options it was given.
+    assert len(strategies) == len(FIT_CONFIGS[4])
+    for line, config in zip(strategies, FIT_CONFIGS[4], strict=True):
+        algorithm, _, compression = config.partition("+")
+        assert ("4 workers in 2 nodes of 2; CommunicationOptions("
+                f"algorithm={algorithm!r}, fusion_threshold_bytes=256, ") in line
+        assert f"compression={compression or None!r}" in line
+        assert "local_size=2" in line
     gradients = [i for i, l in enumerate(lines)
                  if "tfscale all-reduce of 4 tensor(s)" in l and "algorithm=hybrid" in l]
     assert len(gradients) == 1
