@@ -6,7 +6,9 @@ Each worker is one process with its own TF_CONFIG naming a free 127.0.0.1
 port for every worker, as Kubernetes or SLURM would give one per machine. Each
 output line is prefixed with the worker's index. When a worker fails, the
 others are stopped and the launcher exits non-zero naming the failed worker;
-`--timeout` bounds the whole run.
+`--timeout` bounds the whole run. The ports are free when picked but bound by
+the workers seconds later: when a worker cannot bind its port (another process
+took it), every worker is stopped and all are relaunched on fresh ports.
 
     tfscale-launch --num_workers=4 --emulate_nodes=2 --inter_node_rate=200mbit -- CMD
 
@@ -20,6 +22,7 @@ emulated links. See launch/netns.py.
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -91,6 +94,14 @@ def _validate_emulation_flags(values):
     return True
 
 _POLL_SECONDS = 0.1
+PORT_ATTEMPTS = 3
+# What a worker prints when its port was taken: TensorFlow's gRPC server
+# ("Could not start gRPC server"), Python's OSError, or errno's name.
+_BIND_FAILURE = re.compile(rb"Could not start gRPC server|Address already in use|EADDRINUSE")
+
+
+class _PortTaken(Exception):
+    """A worker could not bind its port; every worker has been stopped."""
 
 
 def free_ports(host, count):
@@ -138,6 +149,7 @@ class Workers:
 
     def __init__(self, command, envs, prefixes=None):
         self._lock = threading.Lock()
+        self.bind_failures = set()  # indices of workers that could not bind
         self.processes = []
         self._printers = []
         for index, env in enumerate(envs):
@@ -161,6 +173,8 @@ class Workers:
     def _print_lines(self, index, stream):
         prefix = f"[worker {index}] ".encode()
         for line in iter(stream.readline, b""):
+            if _BIND_FAILURE.search(line):
+                self.bind_failures.add(index)
             with self._lock:
                 sys.stdout.buffer.write(prefix + line)
                 sys.stdout.buffer.flush()
@@ -203,15 +217,30 @@ class Workers:
 def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
            emulate_nodes=None, inter_node_rate=None,
            inter_node_burst=netns.DEFAULT_BURST,
-           inter_node_latency=netns.DEFAULT_LATENCY):
-    """Runs `command` as `num_workers` workers; returns the exit code."""
+           inter_node_latency=netns.DEFAULT_LATENCY, pick_ports=free_ports):
+    """Runs `command` as `num_workers` workers; returns the exit code.
+
+    `pick_ports(host, count)` returns the ports of one attempt (default:
+    `free_ports`). When a worker fails and its output says it could not bind
+    (`_BIND_FAILURE`), every worker is stopped and all are relaunched on
+    newly picked ports, up to PORT_ATTEMPTS attempts within `timeout`.
+    Emulated nodes need no retry: their ports are in namespaces of their own.
+    """
     if emulate_nodes is not None:
         return _launch_emulated(
             command, num_workers, timeout, grace_seconds, emulate_nodes,
             inter_node_rate, inter_node_burst, inter_node_latency,
         )
-    addresses = [f"{host}:{port}" for port in free_ports(host, num_workers)]
-    return _run_workers(command, addresses, timeout, grace_seconds)
+    start = time.monotonic()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        addresses = [f"{host}:{port}" for port in pick_ports(host, num_workers)]
+        try:
+            return _run_workers(command, addresses, timeout, grace_seconds,
+                                start=start, retry=attempt < PORT_ATTEMPTS)
+        except _PortTaken as taken:
+            print(f"tfscale-launch: {taken}; stopped every worker, relaunching all "
+                  f"on fresh ports (attempt {attempt + 1} of {PORT_ATTEMPTS}).",
+                  file=sys.stderr, flush=True)
 
 
 def _launch_emulated(command, num_workers, timeout, grace_seconds, num_nodes,
@@ -270,8 +299,11 @@ def _launch_emulated(command, num_workers, timeout, grace_seconds, num_nodes,
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None):
-    """Runs one worker per address until all succeed, one fails or time is up."""
+def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
+                 start=None, retry=False):
+    """Runs one worker per address until all succeed, one fails or time is up
+    (`timeout` counted from `start`, default now). With `retry`, raises
+    _PortTaken instead of failing when a worker could not bind its port."""
     envs = []
     for config in tf_configs(addresses):
         env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
@@ -286,13 +318,16 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
-    start = time.monotonic()
+    start = time.monotonic() if start is None else start
     try:
         while True:
             failure = workers.first_failure()
             if failure is not None:
                 index, code = failure
-                workers.stop(grace_seconds)
+                workers.stop(grace_seconds)  # also reads the rest of their output
+                if retry and workers.bind_failures:
+                    index = min(workers.bind_failures)
+                    raise _PortTaken(f"worker {index} could not bind {addresses[index]}")
                 print(
                     f"tfscale-launch: worker {index} {_describe_exit(code)}; "
                     f"stopped the other workers.",

@@ -75,7 +75,7 @@ def start_cluster(commands, tmp_path, extra_env=None):
 
     addresses = [f"127.0.0.1:{p}" for p in local.free_ports("127.0.0.1", len(commands))]
     processes = []
-    for index, (command, config) in enumerate(zip(commands, local.tf_configs(addresses))):
+    for index, (command, config) in enumerate(zip(commands, local.tf_configs(addresses), strict=True)):
         log = open(tmp_path / f"worker-{index}.log", "w")
         processes.append(subprocess.Popen(
             command, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,

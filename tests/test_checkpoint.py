@@ -36,13 +36,14 @@ def test_restored_model_continues_exactly(tmp_path, loss_scale):
     checkpoint.save(original, str(tmp_path), step=3)
     restored = compiled_model(1, loss_scale)  # other initial weights
     assert checkpoint.restore(restored, str(tmp_path)) == 3
-    for a, b in zip(original.optimizer.variables, restored.optimizer.variables):
+    for a, b in zip(original.optimizer.variables, restored.optimizer.variables,
+                    strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     if loss_scale:  # the dynamic loss scale is among them
         assert any("scale" in v.path for v in restored.optimizer.variables)
     train(original, 2)
     train(restored, 2)  # Dropout masks match only if its RNG state was restored
-    for a, b in zip(original.variables, restored.variables):
+    for a, b in zip(original.variables, restored.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
 
 

@@ -36,7 +36,7 @@ def test_pack_and_unpack_are_mirror_images():
                tf.ones([2, 1, 3])]
     buffer, shapes = fusion.pack(tensors)
     assert buffer.shape == [12 + 1 + 6]
-    for original, restored in zip(tensors, fusion.unpack(buffer, shapes)):
+    for original, restored in zip(tensors, fusion.unpack(buffer, shapes), strict=True):
         np.testing.assert_array_equal(restored, original)
     single, shapes = fusion.pack(tensors[:1])
     np.testing.assert_array_equal(fusion.unpack(single, shapes)[0], tensors[0])
@@ -206,9 +206,11 @@ def test_every_algorithm_sums_integer_valued_floats_exactly(all_reduce_runs, num
     expected = _sum64(results, "integer_inputs")
     names = {"ring", "hierarchical", "hybrid"} | ({"2d"} if num_workers == 4 else set())
     assert set(results[0]["integer"]) == names
+    for result in results:  # each Strategy's tfscale all-reduce: 7 integer
+        assert result["routed"] == {name: [7, 6] for name in names}  # then 6 real
     for name in names:
         for result in results:
-            for got, want in zip(result["integer"][name], expected):
+            for got, want in zip(result["integer"][name], expected, strict=True):
                 np.testing.assert_array_equal(got, want, err_msg=name)
 
 
@@ -219,7 +221,7 @@ def test_every_algorithm_is_within_float32_rounding_of_the_float64_sum(
     expected = _sum64(results, "real_inputs")
     bound = [num_workers * F32_U * a for a in _abs_sum64(results, "real_inputs")]
     for name, reduced in results[0]["real"].items():
-        for got, want, b in zip(reduced, expected, bound):
+        for got, want, b in zip(reduced, expected, bound, strict=True):
             assert np.all(np.abs(np.asarray(got) - want) <= b), name
         # Every worker holds the very same bits.
         for result in results[1:]:
@@ -269,7 +271,7 @@ def test_compressed_error_is_within_n_roundings(all_reduce_runs, wire, unit):
     if wire.split("/")[-1] == "float16":
         floor = n * 2.0**-25 * 2 * n * largest / 65504
     worst = 0.0
-    for got, want, a in zip(results[0]["compressed"][wire], expected, abs_sums):
+    for got, want, a in zip(results[0]["compressed"][wire], expected, abs_sums, strict=True):
         error = np.abs(np.asarray(got) - want)
         assert np.all(error <= n * unit * a + floor)
         worst = max(worst, float(np.max(error / np.maximum(a, 1e-300))))
@@ -332,6 +334,9 @@ def _flat(weights):
 def test_fit_gives_bitwise_identical_weights_on_all_workers(fit_runs, num_workers):
     results = fit_runs[num_workers].results
     assert set(results[0]["results"]) == set(FIT_CONFIGS[num_workers])
+    for result in results:  # the 4 gradients went through each Strategy's tfscale
+        for config, sizes in result["all_reduce_batch_sizes"].items():
+            assert 4 in sizes, (config, sizes)
     for config in FIT_CONFIGS[num_workers]:
         weights = _flat(results[0]["results"][config]["weights"])
         for result in results[1:]:
@@ -367,9 +372,15 @@ def test_fit_hybrid_uses_both_algorithms_and_the_chief_logs_it(fit_runs):
         "tfscale.Strategy: " in l or "tfscale all-reduce of" in l)]
     # The chief's own lines: other workers' output may interleave.
     lines = [l for l in output if l.startswith("[worker 0]")]
-    strategy = [l for l in lines if "tfscale.Strategy: " in l]
-    assert len(strategy) == 1
-    assert "4 workers in 2 nodes of 2; CommunicationOptions(algorithm='ring'" in strategy[0]
+    strategies = [l for l in lines if "tfscale.Strategy: " in l]
+    # One Strategy per configuration, each with the options it was given.
+    assert len(strategies) == len(FIT_CONFIGS[4])
+    for line, config in zip(strategies, FIT_CONFIGS[4], strict=True):
+        algorithm, _, compression = config.partition("+")
+        assert ("4 workers in 2 nodes of 2; CommunicationOptions("
+                f"algorithm={algorithm!r}, fusion_threshold_bytes=256, ") in line
+        assert f"compression={compression or None!r}" in line
+        assert "local_size=2" in line
     gradients = [i for i, l in enumerate(lines)
                  if "tfscale all-reduce of 4 tensor(s)" in l and "algorithm=hybrid" in l]
     assert len(gradients) == 1
@@ -403,5 +414,5 @@ def test_bucket_all_reduces_overlap_backprop(tmp_path):
         print(f"worker {result['worker_index']}: first bucket summed this many ms "
               f"before the last gradient, per step: {[round(g, 1) for g in gaps]}")
         per_worker.append(gaps)
-    overlapped = [max(step) for step in zip(*per_worker) if max(step) > 20.0]
+    overlapped = [max(step) for step in zip(*per_worker, strict=True) if max(step) > 20.0]
     assert len(overlapped) >= 2, per_worker

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from tfscale import data
 
@@ -92,7 +93,6 @@ def test_synthetic_is_imagenet_shaped_and_per_worker():
 
 
 def test_imagenet_pipeline_offline_with_tfds_mock_data(tmp_path):
-    tfds = pytest.importorskip("tensorflow_datasets")
     with tfds.testing.mock_data(num_examples=16):
         train = data.imagenet("train", 8, image_size=32, data_dir=str(tmp_path),
                               input_context=context(2, 0))

@@ -258,8 +258,11 @@ def test_from_config_and_serialize_round_trip():
     json.dumps(serialized)
     restored = keras.optimizers.deserialize(serialized)
     assert isinstance(restored, LARS)
-    assert isinstance(restored._learning_rate,
-                      schedules.WarmupPolynomialDecay)
+    restored_lr = keras.optimizers.schedules.deserialize(
+        restored.get_config()["learning_rate"])
+    assert isinstance(restored_lr, schedules.WarmupPolynomialDecay)
+    # The public learning rate is the schedule's value at the step (warmup).
+    assert float(restored.learning_rate) == float(lr(0)) != 10.0
     assert restored.get_config() == config
 
 
@@ -296,7 +299,12 @@ def test_keras_file_round_trip(tmp_path):
     reloaded = keras.models.load_model(path)
     assert isinstance(reloaded.optimizer, LARS)
     assert reloaded.optimizer.get_config() == model.optimizer.get_config()
-    assert isinstance(reloaded.optimizer._learning_rate, schedules.Warmup)
+    reloaded_lr = keras.optimizers.schedules.deserialize(
+        reloaded.optimizer.get_config()["learning_rate"])
+    assert isinstance(reloaded_lr, schedules.Warmup)
+    # The schedule continues from the saved step (4), still warming up.
+    assert int(reloaded.optimizer.iterations) == 4
+    assert float(reloaded.optimizer.learning_rate) == float(lr(4)) < 0.5
     np.testing.assert_allclose(reloaded.predict(x, verbose=0),
                                model.predict(x, verbose=0), rtol=1e-6)
     before = [v.numpy() for v in model.optimizer.variables]

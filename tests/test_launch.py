@@ -1,14 +1,17 @@
-"""tfscale-launch: TF_CONFIG per worker, output prefixes, failure and timeout."""
+"""tfscale-launch: TF_CONFIG per worker, output prefixes, failure, timeout, and
+relaunch on fresh ports when a worker's port was taken."""
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from multiworker import REPO_ROOT
 from multiworker import WORKERS_DIR
 
 PROBE = os.path.join(WORKERS_DIR, "launch_probe.py")
@@ -84,3 +87,50 @@ def test_unknown_command_is_named():
     process, _ = launch("--num_workers=2", "--", "no-such-command-tfscale")
     assert process.returncode == 127
     assert "command not found: 'no-such-command-tfscale'" in process.stderr
+
+
+def launch_with_taken_port(mode, taken_attempts):
+    """Runs `launch.local.launch` on 2 launch_probe workers whose first
+    `taken_attempts` attempts give worker 0 a port this test holds (bound and
+    listening). Returns (process, the held port)."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        script = f"""
+import sys
+from launch import local
+attempts = []
+def pick_ports(host, count):
+    attempts.append(count)
+    ports = local.free_ports(host, count)
+    return [{port}] + ports[1:] if len(attempts) <= {taken_attempts} else ports
+code = local.launch([sys.executable, {PROBE!r}, {mode!r}], 2, timeout=240,
+                    grace_seconds=2, pick_ports=pick_ports)
+print(f"attempts={{len(attempts)}}", file=sys.stderr)
+sys.exit(code)
+"""
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+        process = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, timeout=300,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return process, port
+
+
+def test_a_tensorflow_worker_whose_port_was_taken_makes_the_launcher_relaunch_all():
+    process, port = launch_with_taken_port("strategy", 1)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    assert "[worker 0] " in process.stdout and "Could not start gRPC server" in process.stdout
+    assert (f"tfscale-launch: worker 0 could not bind 127.0.0.1:{port}; stopped every "
+            "worker, relaunching all on fresh ports (attempt 2 of 3).") in process.stderr
+    assert "attempts=2" in process.stderr
+    # The relaunched pair formed a cluster: each worker saw both contributions.
+    assert sorted(re.findall(r"\[worker (\d)\] sum=3.0", process.stdout)) == ["0", "1"]
+
+
+def test_the_launcher_gives_up_after_its_port_attempts_naming_the_worker():
+    process, port = launch_with_taken_port("bind", 99)
+    assert process.returncode == 1
+    assert "Address already in use" in process.stdout
+    assert "(attempt 2 of 3)" in process.stderr and "(attempt 3 of 3)" in process.stderr
+    assert "attempts=3" in process.stderr
+    assert "tfscale-launch: worker 0 exited with code 1; stopped the other workers." in (
+        process.stderr)

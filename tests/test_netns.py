@@ -169,19 +169,21 @@ def test_refuses_without_root(monkeypatch):
 
 # Emulated clusters: root only.
 
-def test_a_failing_ip_netns_add_is_named_and_nothing_is_left(permitted, monkeypatch):
+def test_a_failing_ip_netns_add_is_named_and_nothing_is_left(
+        permitted, monkeypatch, tmp_path):
     from launch import netns
 
-    real_run = netns._run
-
-    def run(*args, **kwargs):  # the second `ip netns add` fails
-        if args[1:3] == ("netns", "add") and args[3].endswith("-n1"):
-            return real_run(args[0], "netns", "add", "bad/name", **kwargs)
-        return real_run(*args, **kwargs)
-
-    monkeypatch.setattr(netns, "_run", run)
+    # An `ip` first on PATH whose second `ip netns add` (node 1) fails.
+    fake_ip = tmp_path / "ip"
+    fake_ip.write_text(
+        "#!/bin/sh\n"
+        'case "$1 $2 $3" in "netns add "*-n1) echo "ip: no space left" >&2; exit 1;; esac\n'
+        f'exec {shutil.which("ip")} "$@"\n')
+    fake_ip.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     cluster = netns.EmulatedCluster(2, 2, rate="1mbit")
-    with pytest.raises(netns.EmulationError, match="`.*ip netns add bad/name` failed"):
+    with pytest.raises(netns.EmulationError,
+                       match=r"`.*ip netns add tfscale-\S+-n1` failed: ip: no space left"):
         with cluster:
             pass
     assert namespaces_of(os.getpid()) == []  # the first node's namespace is gone

@@ -1,21 +1,42 @@
 """BatchNorm moving statistics: the same on every worker and in the export."""
 
 import numpy as np
+import tensorflow as tf
 
 from multiworker import assert_succeeded
 from multiworker import run_workers
+from tfscale import data
 
 
-def test_statistics_diverge_without_sync_and_agree_with_it(tmp_path):
-    synced = run_workers("fit_worker.py", 2, tmp_path, args=["--model=bn"])
+def test_statistics_agree_across_workers_and_in_the_served_export(tmp_path):
+    export_dir = tmp_path / "export"
+    synced = run_workers("fit_worker.py", 2, tmp_path,
+                         args=["--model=bn", f"--export_dir={export_dir}"])
     assert_succeeded(synced)
     unsynced = run_workers("fit_worker.py", 2, tmp_path,
                            args=["--model=bn", "--nosync_bn"])
     assert_succeeded(unsynced)
     a, b = (r["non_trainable"] for r in synced.results)
-    for x, y in zip(a, b):
+    assert len(a) == 2  # BatchNormalization's moving mean and variance
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
     # Without the sync each worker keeps statistics of its own half-batches,
     # so this test would catch the sync breaking.
-    a, b = (r["non_trainable"] for r in unsynced.results)
-    assert any(not np.array_equal(x, y) for x, y in zip(a, b))
+    c, d = (r["non_trainable"] for r in unsynced.results)
+    assert any(not np.array_equal(x, y) for x, y in zip(c, d, strict=True))
+
+    # The chief's export, loaded as a serving user does: it holds the synced
+    # statistics and serves what the trained model predicts in process.
+    loaded = tf.saved_model.load(str(export_dir))
+    exported = [v.numpy().ravel() for v in loaded.non_trainable_variables]
+    for x, y in zip(exported, a, strict=True):
+        np.testing.assert_array_equal(x, y)
+    images, _ = data.digits_arrays("test")
+    predicted = np.asarray(synced.results[0]["served_images_probabilities"])
+    served = loaded.signatures["serving_default"](
+        images=tf.constant(images[:len(predicted)]))["probabilities"].numpy()
+    np.testing.assert_array_equal(served.argmax(1), predicted.argmax(1))
+    np.testing.assert_allclose(served, predicted, rtol=1e-5, atol=1e-6)
+    # Both workers predicted the same (same weights and statistics).
+    np.testing.assert_array_equal(
+        predicted, synced.results[1]["served_images_probabilities"])

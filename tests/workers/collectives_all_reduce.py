@@ -1,9 +1,10 @@
 """All-reduces known tensors with every algorithm and reports inputs and sums.
 
-One `tfscale.Strategy` per process (MWMS starts its server once); every
-algorithm runs on its collective groups, built from the topology the Strategy
-resolved, inside `tf.function`s as in training. The test sums the reported
-inputs in float64 and compares.
+Each configuration is a `tfscale.Strategy(communication=CommunicationOptions(
+...))` of its own, and its all-reduce is what Keras calls for gradients
+(`ReplicaContext.all_reduce` inside `strategy.run`, in a `tf.function`). The
+buffer algorithms also run alone on `strategy.collective_groups`. The test sums
+the reported inputs in float64 and compares.
 
 Flags: --local_size (workers per node).
 """
@@ -15,7 +16,6 @@ from absl import flags
 
 import tfscale
 from report import report
-from tfscale import collectives
 from tfscale.collectives import algorithms
 
 flags.DEFINE_integer("local_size", 2, "Workers per node.")
@@ -54,42 +54,52 @@ def to_json(arrays):
     return [np.asarray(a).astype(np.float64).ravel().tolist() for a in arrays]
 
 
+def strategy_for(algorithm, compression=None):
+    """A `tfscale.Strategy` configured as a user would configure it."""
+    return tfscale.Strategy(communication=tfscale.CommunicationOptions(
+        algorithm=algorithm, fusion_threshold_bytes=FUSION_BYTES,
+        hybrid_threshold_bytes=HYBRID_BYTES if algorithm == "hybrid" else None,
+        local_size=FLAGS.local_size, compression=compression, timeout_seconds=60))
+
+
+def all_reduce_fn(strategy):
+    """Sums a list of tensors as Keras sums gradients: ReplicaContext.all_reduce."""
+    def replica_fn(tensors):
+        # Placed on this replica's device, as gradients computed here are.
+        tensors = [tf.identity(t) for t in tensors]
+        return tf.distribute.get_replica_context().all_reduce("SUM", tensors)
+
+    return tf.function(lambda tensors: strategy.run(replica_fn, args=(tensors,)))
+
+
 def main(argv):
-    strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
-        algorithm="hierarchical", local_size=FLAGS.local_size,
-        timeout_seconds=60))
-    rank = strategy.worker_index
-    topology = strategy._tfscale_all_reduce.topology
-    world = strategy._tfscale_cross_device_ops._groups[0]
-
-    def all_reduce_fn(algorithm, **kwargs):
-        reducer = collectives.AllReduce(
-            topology, algorithm, FUSION_BYTES, log_plans=rank == 0, **kwargs)
-        return tf.function(lambda tensors: reducer(tensors, world)), reducer
-
-    names = ["ring", "hierarchical", "hybrid", "2d"]
     refused = {}
-    results = {"integer": {}, "real": {}, "plans": {}}
-    integer_inputs = [tf.constant(t) for t in integer_tensors(rank)]
-    real_inputs = [tf.constant(t) for t in real_tensors(rank)]
-    for name in names:
-        kwargs = {"hybrid_threshold_bytes": HYBRID_BYTES} if name == "hybrid" else {}
+    results = {"integer": {}, "real": {}, "plans": {}, "routed": {}}
+    rank = None
+    for name in ("ring", "hierarchical", "hybrid", "2d"):
         try:
-            fn, reducer = all_reduce_fn(name, **kwargs)
+            strategy = strategy_for(name)
         except NotImplementedError as error:
             refused[name] = str(error)
             continue
+        if name == "ring":
+            rank, topology = strategy.worker_index, strategy.topology
+            integer_inputs = [tf.constant(t) for t in integer_tensors(rank)]
+            real_inputs = [tf.constant(t) for t in real_tensors(rank)]
+        if name == "hierarchical":  # world, in-node and cross-node groups
+            groups = strategy.collective_groups
+        fn = all_reduce_fn(strategy)
         results["plans"][name] = [
             [b.algorithm, b.size_bytes, b.num_chunks]
-            for b in reducer.plan(integer_inputs)
+            for b in strategy.all_reduce_plan(integer_inputs)
         ]
         # Twice: the second call reuses the trace with fresh instance keys.
         fn(integer_inputs)
         results["integer"][name] = to_json(fn(integer_inputs))
         results["real"][name] = to_json(fn(real_inputs))
+        results["routed"][name] = strategy.all_reduce_batch_sizes
 
     # The algorithms themselves, on one odd-length buffer split into chunks.
-    groups = strategy._tfscale_all_reduce.groups(world)
     buffer = tf.constant(np.random.default_rng(300 + rank).integers(
         -1000, 1000, BUFFER_LENGTH).astype(np.float32))
     chunked = {}
@@ -101,16 +111,17 @@ def main(argv):
             chunked[f"{name}/{num_chunks}"] = run(buffer).numpy().tolist()
 
     compressed = {}
-    for compression in ("bfloat16", "float16"):
-        fn, _ = all_reduce_fn("hierarchical", compression=compression)
-        compressed[compression] = to_json(fn(real_inputs))
+    wires = [("hierarchical", "bfloat16"), ("hierarchical", "float16")]
     if "2d" not in refused:  # all-gathers 16-bit shards
-        fn, _ = all_reduce_fn("2d", compression="bfloat16")
-        compressed["2d/bfloat16"] = to_json(fn(real_inputs))
+        wires.append(("2d", "bfloat16"))
+    for algorithm, compression in wires:
+        key = compression if algorithm == "hierarchical" else f"{algorithm}/{compression}"
+        fn = all_reduce_fn(strategy_for(algorithm, compression))
+        compressed[key] = to_json(fn(real_inputs))
     # float16 with values whose 4-worker sum overflows float16 (65504) and
     # values below its smallest subnormal (6e-8).
     extreme = [tf.constant(np.array([6e4, -6e4, 1e-9, 3.0], np.float32) * (rank + 1))]
-    fn, _ = all_reduce_fn("ring", compression="float16")
+    fn = all_reduce_fn(strategy_for("ring", "float16"))
     compressed["float16/extreme"] = to_json(fn(extreme))
 
     report({

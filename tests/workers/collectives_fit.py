@@ -1,10 +1,8 @@
 """Keras `fit` with each all-reduce configuration; reports the final weights.
 
-MWMS starts its gRPC server once per process, so one `tfscale.Strategy` is
-built (through its constructor, with the first configuration) and the later
-configurations replace its `collectives.AllReduce` the way the constructor
-installs it. Each configuration trains a fresh model from the same seed on the
-same data.
+Each configuration is a `tfscale.Strategy(communication=CommunicationOptions(
+...))` of its own, built one after another in this process as a user would.
+Each trains a fresh model from the same seed on the same data.
 
 Flags: --local_size, --configs (comma-separated `algorithm[+compression]`),
 --steps.
@@ -18,7 +16,6 @@ from absl import flags
 import keras
 import tfscale
 from report import report
-from tfscale import collectives
 
 flags.DEFINE_integer("local_size", 2, "Workers per node.")
 flags.DEFINE_list("configs", ["ring", "hierarchical", "2d", "hybrid"],
@@ -79,27 +76,21 @@ def train(strategy):
 
 
 def main(argv):
-    first = options(FLAGS.configs[0])
-    strategy = tfscale.Strategy(communication=first)
-    topology = strategy._tfscale_all_reduce.topology
-    results, plans = {}, {}
+    results, plans, batch_sizes = {}, {}, {}
     for config in FLAGS.configs:
-        o = options(config)
-        reducer = collectives.AllReduce(
-            topology, o.algorithm, o.fusion_threshold_bytes,
-            hybrid_threshold_bytes=o.hybrid_threshold_bytes,
-            compression=o.compression, log_plans=strategy.is_chief)
-        strategy._tfscale_cross_device_ops._all_reduce_fn = reducer
+        strategy = tfscale.Strategy(communication=options(config))
         results[config] = train(strategy)
-        plans[config] = [b.algorithm for b in reducer.plan(
+        plans[config] = [b.algorithm for b in strategy.all_reduce_plan(
             [tf.zeros([8, 16]), tf.zeros([16]), tf.zeros([16, 4]), tf.zeros([4])])]
+        batch_sizes[config] = strategy.all_reduce_batch_sizes
     report({
         "worker_index": strategy.worker_index,
         "initial": [v.numpy().ravel().tolist()
                     for v in build_model().trainable_variables],
-        "nodes": [list(n) for n in topology.nodes],
+        "nodes": [list(n) for n in strategy.topology.nodes],
         "results": results,
         "plans": plans,
+        "all_reduce_batch_sizes": batch_sizes,
     })
 
 

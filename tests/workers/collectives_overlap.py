@@ -5,7 +5,8 @@ An MLP of equal layers (4 MiB kernels) with 4 MiB buckets: about one bucket
 per layer, so the first bucket (the last layers) can be summed while earlier
 layers are still being differentiated. The two timestamps are taken in the
 step's own graph (`tf.timestamp` behind control dependencies) by a wrapper of
-`collectives.fused_all_reduce`. (The TF profiler was used here first; its
+`fused_all_reduce` in tfscale/collectives/all_reduce.py, where `AllReduce`
+calls it. (The TF profiler was used here first; its
 export crashed with SIGSEGV now and then under load.)
 
 `tf.function` runs stateful ops that take no resource, such as `Timestamp`,
@@ -13,7 +14,8 @@ in the order they were created: the first bucket's timestamp is created
 first, so the gradients' one reads max(last gradient ready, first sum ready),
 and the gap is positive only where the sum came first. For the same reason
 the strategy's own timing (`exposed_communication_seconds`, whose first
-timestamp waits for every gradient) is switched off here.
+timestamp waits for every gradient) is switched off here
+(`CommunicationOptions(time_all_reduces=False)`).
 """
 
 import numpy as np
@@ -23,7 +25,7 @@ from absl import app
 import keras
 import tfscale
 from report import report
-from tfscale import collectives
+from tfscale.collectives import all_reduce as all_reduce_lib
 
 LAYERS, WIDTH, GLOBAL_BATCH, STEPS = 8, 1024, 2048, 8
 
@@ -39,14 +41,14 @@ def dataset_fn(input_context):
 
 
 class FirstBucketClock:
-    """Wraps `collectives.fused_all_reduce`. For the gradient list (the call
+    """Wraps `fused_all_reduce`. For the gradient list (the call
     with `num_gradients` tensors) it stores in `self.seconds` the time the
     first bucket's sum was ready, then the time the last gradient was."""
 
     def __init__(self, num_gradients):
         self.num_gradients = num_gradients
         self.seconds = tf.Variable(tf.zeros([2], tf.float64), trainable=False)
-        self.original = collectives.fused_all_reduce
+        self.original = all_reduce_lib.fused_all_reduce
 
     def __call__(self, tensors, groups, buckets, compression=None):
         results = self.original(tensors, groups, buckets, compression)
@@ -73,7 +75,8 @@ class PerStep(keras.callbacks.Callback):
 
 def main(argv):
     strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
-        algorithm="ring", fusion_threshold_bytes=4 << 20, timeout_seconds=120))
+        algorithm="ring", fusion_threshold_bytes=4 << 20, timeout_seconds=120,
+        time_all_reduces=False))  # see the docstring
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential(
@@ -84,10 +87,9 @@ def main(argv):
             optimizer=keras.optimizers.SGD(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     gradients = [v.value for v in model.trainable_variables]
-    plan = strategy._tfscale_all_reduce.plan(gradients)
-    strategy._tfscale_all_reduce.exposed_seconds = None  # see the docstring
+    plan = strategy.all_reduce_plan(gradients)
     clock = FirstBucketClock(len(gradients))
-    collectives.fused_all_reduce = clock
+    all_reduce_lib.fused_all_reduce = clock
     per_step = PerStep(clock)
     model.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1,
               steps_per_epoch=STEPS, verbose=0, callbacks=[per_step])

@@ -1,6 +1,8 @@
 """Trains a small model under tfscale.Strategy and reports what the test checks.
 
-Flags: --model=dense|bn (bn: with BatchNormalization), --steps, --global_batch.
+Flags: --model=dense|bn (bn: with BatchNormalization), --steps, --global_batch,
+--export_dir (the chief exports with tfscale.export, as tfscale-train does; every
+worker reports `model.predict` on the images the test serves).
 """
 
 import sys
@@ -13,12 +15,17 @@ from absl import flags
 import keras
 import tfscale
 from report import report
+from tfscale import export
 
 flags.DEFINE_enum("model", "dense", ["dense", "bn"], "Model to train.")
 flags.DEFINE_integer("steps", 6, "Training steps.")
 flags.DEFINE_integer("global_batch", 16, "Global batch size.")
 flags.DEFINE_bool("sync_bn", True, "With --model=bn: average BN statistics.")
+flags.DEFINE_string("export_dir", None, "Chief: export the trained model here.")
 FLAGS = flags.FLAGS
+
+# The export serves the digits' uint8 8x8 images, resized to the model's 6x6.
+SERVED_IMAGES = 32
 
 NUM_EXAMPLES = 96
 
@@ -68,6 +75,15 @@ def main(argv):
     x, y = make_data()
     evaluation = model.evaluate(x, y, batch_size=FLAGS.global_batch, verbose=0)
     predictions = model.predict(x, batch_size=FLAGS.global_batch, verbose=0)
+    exported = {}
+    if FLAGS.export_dir:
+        spec = tfscale.data.spec("digits")
+        images, _ = tfscale.data.digits_arrays("test")
+        inputs = tfscale.data.preprocess(images[:SERVED_IMAGES], spec, 6).numpy()
+        logits = model.predict(inputs, batch_size=FLAGS.global_batch, verbose=0)
+        exported["served_images_probabilities"] = tf.nn.softmax(logits).numpy().tolist()
+        if strategy.is_chief:
+            export.export_classifier(model, FLAGS.export_dir, spec, 6)
     report({
         "num_workers": strategy.num_workers,
         "worker_index": strategy.worker_index,
@@ -79,6 +95,7 @@ def main(argv):
         "loss": history.history["loss"],
         "evaluation": evaluation,
         "predictions": np.asarray(predictions).tolist(),
+        **exported,
     })
 
 

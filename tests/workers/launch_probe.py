@@ -4,10 +4,15 @@
     launch_probe.py fail INDEX    worker INDEX exits 3 at once, the others sleep
     launch_probe.py sleep         every worker sleeps (for the timeout test),
                                   each also starting a child that sleeps
+    launch_probe.py bind          binds its TF_CONFIG address, as a server does
+    launch_probe.py strategy      builds tfscale.Strategy (TensorFlow's gRPC
+                                  server binds its port) and prints the sum of
+                                  index + 1 over the workers
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +22,19 @@ index = config["task"]["index"]
 print(f"pid={os.getpid()} tf_config={json.dumps(config)}", flush=True)
 mode = sys.argv[1]
 if mode == "ok":
+    sys.exit(0)
+if mode == "bind":  # OSError "Address already in use" if the port is taken
+    host, port = config["cluster"]["worker"][index].rsplit(":", 1)
+    socket.create_server((host, int(port)))
+    sys.exit(0)
+if mode == "strategy":
+    import tensorflow as tf
+    import tfscale
+
+    strategy = tfscale.Strategy()
+    total = strategy.reduce(
+        "SUM", strategy.run(lambda: tf.constant(index + 1.0)), axis=None)
+    print(f"sum={float(total)}", flush=True)
     sys.exit(0)
 if mode == "fail" and index == int(sys.argv[2]):
     print("failing on purpose", flush=True)
