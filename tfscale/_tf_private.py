@@ -17,8 +17,12 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   collectives over sub-groups of the cluster (`CollectiveGroup`).
   tests/test_collectives.py (float64-oracle all-reduces of every algorithm).
 - `MultiWorkerMirroredStrategy._collective_key_base`: fresh group keys for
-  each Strategy built in one process (`take_collective_keys`).
-  tests/test_collectives.py, where each configuration is its own Strategy.
+  each Strategy built in one process (`take_collective_keys`), and
+  `context.wait_at_barrier`, the coordination service's barrier that keeps
+  workers from using a new strategy's collectives before every worker has
+  re-enabled them (`wait_for_all_workers`). tests/test_collectives.py, where
+  each configuration is its own Strategy (it hung without the barrier), and
+  tests/test_strategy.py, test_several_strategies_train_in_one_process.
 - `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
   cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
 - `Model._flatten_layers` (`flatten_layers`): every nested layer, to find
@@ -35,6 +39,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.eager import context
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
 
@@ -60,8 +65,27 @@ def take_collective_keys(strategy):
     Call it before `MultiWorkerMirroredStrategy.__init__`, which reads the
     base. Every worker builds its strategies in the same order, so the keys
     agree across workers.
+
+    Returns:
+        The strategy's number in this process (0 for the first).
     """
-    strategy._collective_key_base = next(_strategies_built) * _KEYS_PER_STRATEGY
+    number = next(_strategies_built)
+    strategy._collective_key_base = number * _KEYS_PER_STRATEGY
+    return number
+
+
+def wait_for_all_workers(barrier_id, timeout_seconds):
+    """Blocks until every chief/worker task has reached `barrier_id`.
+
+    A barrier of TensorFlow's coordination service, which outlives the
+    collective executor: each MultiWorkerMirroredStrategy after the first
+    re-enables collective ops, which replaces this worker's executor, and a
+    peer's collective arriving meanwhile is lost and hangs both. A no-op
+    before the first strategy has started the service (and with one worker).
+    """
+    if context.context().coordination_service is None:
+        return
+    context.context().wait_at_barrier(barrier_id, int(timeout_seconds * 1000))
 
 
 def check_versions():

@@ -17,6 +17,9 @@ from tfscale._validation import is_int
 from tfscale._validation import is_number
 
 _MiB = 1024 * 1024
+# How long building a strategy waits for the other workers when no collective
+# timeout is set.
+_STARTUP_BARRIER_SECONDS = 3600
 
 
 class CommunicationOptions:
@@ -205,11 +208,18 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
     def __init__(self, cluster_resolver=None, communication_options=None,
                  time_all_reduces=False):
         _tf_private.check_versions()
-        _tf_private.take_collective_keys(self)
+        number = _tf_private.take_collective_keys(self)
+        timeout = getattr(communication_options, "timeout_seconds", None)
+        timeout = timeout or _STARTUP_BARRIER_SECONDS
+        # A later strategy replaces this worker's collective executor: no
+        # peer may still be running collectives of the previous one, nor
+        # start the new one's, while it does.
+        _tf_private.wait_for_all_workers(f"tfscale strategy {number}: start", timeout)
         super().__init__(
             cluster_resolver=cluster_resolver,
             communication_options=communication_options,
         )
+        _tf_private.wait_for_all_workers(f"tfscale strategy {number}: ready", timeout)
         devices = _tf_private.local_devices(self)
         if len(devices) > 1:
             raise ValueError(
