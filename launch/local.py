@@ -34,36 +34,54 @@ import time
 from absl import app
 from absl import flags
 
+from launch import flag_help
 from launch import netns
 
-flags.DEFINE_integer("num_workers", 2, "Number of worker processes.", lower_bound=1)
-flags.DEFINE_float(
-    "timeout", 0, "Stop every worker and fail after this many seconds; 0: no limit."
-)
-flags.DEFINE_float(
-    "grace_seconds", 10,
-    "When stopping workers: seconds between SIGTERM and SIGKILL.",
-)
-flags.DEFINE_integer(
-    "emulate_nodes", None,
-    "Place the workers in this many emulated nodes (network namespaces, one "
-    "address each, consecutive workers per node; must divide --num_workers). "
-    "Needs root and iproute2. Unset: every worker on 127.0.0.1.",
-)
-flags.DEFINE_string(
-    "inter_node_rate", None,
-    "With --emulate_nodes: rate of the link between nodes, in each direction, "
-    "as tc writes it (e.g. 200mbit, 1gbit). Unset: not limited.",
-)
-flags.DEFINE_string(
-    "inter_node_burst", netns.DEFAULT_BURST,
-    "With --inter_node_rate: tbf burst (bucket size, e.g. 256kb = kilobytes).",
-)
-flags.DEFINE_string(
-    "inter_node_latency", netns.DEFAULT_LATENCY,
-    "With --inter_node_rate: tbf latency (longest a packet may queue).",
-)
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+    """Defines tfscale-launch's flags (once) and lists them in `--help`."""
+    if "num_workers" in FLAGS:
+        return
+    flags.DEFINE_integer("num_workers", 2, "Number of worker processes.", lower_bound=1)
+    flags.DEFINE_float(
+        "timeout", 0, "Stop every worker and fail after this many seconds; 0: no limit."
+    )
+    flags.DEFINE_float(
+        "grace_seconds", 10,
+        "When stopping workers: seconds between SIGTERM and SIGKILL.",
+    )
+    flags.DEFINE_integer(
+        "emulate_nodes", None,
+        "Place the workers in this many emulated nodes (network namespaces, one "
+        "address each, consecutive workers per node; must divide --num_workers). "
+        "Needs root and iproute2. Unset: every worker on 127.0.0.1.",
+    )
+    flags.DEFINE_string(
+        "inter_node_rate", None,
+        "With --emulate_nodes: rate of the link between nodes, in each direction, "
+        "as tc writes it (e.g. 200mbit, 1gbit). Unset: not limited.",
+    )
+    flags.DEFINE_string(
+        "inter_node_burst", netns.DEFAULT_BURST,
+        "With --inter_node_rate: tbf burst (bucket size, e.g. 256kb = kilobytes).",
+    )
+    flags.DEFINE_string(
+        "inter_node_latency", netns.DEFAULT_LATENCY,
+        "With --inter_node_rate: tbf latency (longest a packet may queue).",
+    )
+
+    @flags.multi_flags_validator(
+        ["num_workers", "emulate_nodes", "inter_node_rate", "inter_node_burst",
+         "inter_node_latency"])
+    def _validate_emulation_flags(values):
+        problem = check_emulation_flags(**values)
+        if problem:
+            raise flags.ValidationError(problem)
+        return True
+
+    flag_help.list_in_help(__name__)
 
 
 def check_emulation_flags(num_workers, emulate_nodes, inter_node_rate,
@@ -83,15 +101,6 @@ def check_emulation_flags(num_workers, emulate_nodes, inter_node_rate,
                 "same number of workers")
     return None
 
-
-@flags.multi_flags_validator(
-    ["num_workers", "emulate_nodes", "inter_node_rate", "inter_node_burst",
-     "inter_node_latency"])
-def _validate_emulation_flags(values):
-    problem = check_emulation_flags(**values)
-    if problem:
-        raise flags.ValidationError(problem)
-    return True
 
 _POLL_SECONDS = 0.1
 PORT_ATTEMPTS = 3
@@ -382,6 +391,7 @@ def main(argv):
 
 
 def run():
+    define_flags()
     app.run(main)
 
 

@@ -17,10 +17,9 @@ recipe's `base_batch_size` is the batch its learning rate was published for,
 so `--scale_lr` scales it linearly to yours.
 """
 
-import sys
-
 from absl import flags
 
+from launch import flag_help
 from tfscale import collectives
 from tfscale import recipes
 
@@ -38,19 +37,13 @@ TRAINING_FLAGS = ("model", "dataset", "global_batch_size", "epochs",
 
 
 def define_flags():
-    """Defines tfscale-train's flags, once, and lists them all in `--help`.
-
-    absl's `--help` shows the key flags of the main module, `sys.argv[0]`:
-    the console script, which defines none, or this file's importer run with
-    `python -m`. So every flag defined here is made a key flag of it.
-    """
+    """Defines tfscale-train's flags, once, and lists them all in `--help`."""
     if "optimizer" in FLAGS:  # defined already (tests parse more than once)
         return
     _define_job_flags()
     _define_communication_flags()
     _define_optimization_flags()
-    for flag in FLAGS.get_flags_for_module(__name__):
-        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    flag_help.list_in_help(__name__)
 
 
 def _define_job_flags():

@@ -19,7 +19,8 @@ import importlib
 import sys
 
 from absl import app
-from absl import flags
+
+from launch import flag_help
 
 # Subcommand -> what it does, for the usage line.
 SUBCOMMANDS = {
@@ -48,18 +49,10 @@ def _subcommand(argv):
 
 
 def _list_in_help(command):
-    """Makes `--help` describe `command` and list the flags launch/ defined.
-
-    absl's `--help` prints the main module's docstring and key flags (those of
-    the module named by sys.argv[0]); the subcommand's flags are defined in its
-    own modules (and tfscale-launch's in launch.local), so they are registered
-    as the main module's key flags. Flags TensorFlow defines on import are not.
-    """
+    """Makes `--help` describe `command` and list the flags launch/ defined
+    (the subcommand's own, and tfscale-launch's from launch.local)."""
     sys.modules["__main__"].__doc__ = command.__doc__
-    for module, module_flags in flags.FLAGS.flags_by_module_dict().items():
-        if module.startswith("launch."):
-            for flag in module_flags:
-                flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    flag_help.list_in_help("launch.")
 
 
 def run(argv=None):

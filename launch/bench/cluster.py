@@ -27,9 +27,10 @@ def define_flags():
     tfscale-launch's own flags (--num_workers, --timeout, --grace_seconds,
     --emulate_nodes, --inter_node_rate, ...) come with launch.local.
     """
-    from launch import local  # noqa: F401  (defines tfscale-launch's flags)
+    from launch import local
     from tfscale import collectives
 
+    local.define_flags()
     flags.DEFINE_list(
         "algorithms", [STOCK, *collectives.ALGORITHMS],
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
