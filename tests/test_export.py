@@ -66,3 +66,13 @@ def test_a_new_export_replaces_the_old(tmp_path):
     export.export_classifier(tiny_model(1), target, SPEC, 12)
     assert not np.allclose(serve(target, images[:4]), first)
     assert os.listdir(tmp_path) == ["export"]
+
+
+def test_verify_export_refuses_an_export_of_another_model(tmp_path):
+    images, _ = data.digits_arrays("test")
+    model = tiny_model(0)
+    path = export.export_classifier(model, str(tmp_path / "export"), SPEC, 12)
+    served = export.verify_export(path, model, images[:64], SPEC, 12)
+    np.testing.assert_allclose(served.sum(1), 1, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"classifies \d+ of 64 images differently"):
+        export.verify_export(path, tiny_model(1), images[:64], SPEC, 12)

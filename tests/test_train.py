@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
@@ -41,28 +43,37 @@ def test_only_the_chief_reports_progress_each_epoch(trained):
     assert "2 worker(s), global batch 32 (16 per worker)" in output
 
 
-def test_chief_exports_a_savedmodel_that_serves_raw_uint8_images(trained):
+def test_chief_exports_a_savedmodel_that_serves_the_trained_model(trained):
     tmp, output = trained
-    assert f"Exported SavedModel to {tmp / 'export'}" in output
+    # The chief compares the served classes with its in-process model's.
+    printed = re.search(
+        rf"Exported SavedModel to {re.escape(str(tmp / 'export'))}; it serves the "
+        r"trained model's predictions, and its accuracy on the full 360-image "
+        r"test split: ([0-9.]+)", output)
+    assert printed, output[-3000:]
     assert not [p for p in os.listdir(tmp) if ".partial-" in p or ".previous-" in p]
+    from tfscale import data
+
+    images, labels = data.digits_arrays("test")
+    np.save(tmp / "images.npy", images)
     # A fresh process, without TF_CONFIG or tfscale: what a serving user does.
     script = f"""
 import json, numpy as np, tensorflow as tf
-from sklearn.datasets import load_digits
-model = tf.saved_model.load({str(tmp / 'export')!r})
-serve = model.signatures["serving_default"]
-image = np.round(load_digits().images[:3] * 255 / 16).astype(np.uint8)[..., None]
-probabilities = serve(images=tf.constant(image))["probabilities"].numpy()
+serve = tf.saved_model.load({str(tmp / 'export')!r}).signatures["serving_default"]
+images = np.load({str(tmp / 'images.npy')!r})
+probabilities = serve(images=tf.constant(images))["probabilities"].numpy()
 spec = serve.structured_input_signature[1]["images"]
-print(json.dumps({{"shape": probabilities.shape, "sums": probabilities.sum(1).tolist(),
+print(json.dumps({{"classes": probabilities.argmax(1).tolist(),
+                  "sums": probabilities.sum(1).tolist(),
                   "dtype": spec.dtype.name, "input": spec.shape.as_list()}}))
 """
     process = run([sys.executable, "-c", script], cwd=tmp)
     assert process.returncode == 0, process.stdout
     result = json.loads(process.stdout.strip().splitlines()[-1])
-    assert result["shape"] == [3, 10]
     assert result["dtype"] == "uint8" and result["input"] == [None, 8, 8, 1]
-    assert all(abs(s - 1) < 1e-5 for s in result["sums"])
+    np.testing.assert_allclose(result["sums"], 1, atol=1e-5)
+    accuracy = np.mean(np.array(result["classes"]) == labels)
+    assert f"{accuracy:.4f}" == printed.group(1)
 
 
 @pytest.mark.parametrize("flag, message", [

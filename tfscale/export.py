@@ -8,6 +8,7 @@ import shutil
 import uuid
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale import data
@@ -53,6 +54,35 @@ def export_classifier(model, export_dir, dataset_spec, image_size):
         # After the swap `partial` holds the previous export.
         shutil.rmtree(partial, ignore_errors=True)
     return export_dir
+
+
+def served_probabilities(export_dir, images):
+    """Class probabilities the SavedModel at `export_dir` serves for `images`
+    (uint8, as the data set stores them)."""
+    serve = tf.saved_model.load(export_dir).signatures["serving_default"]
+    return serve(images=tf.constant(images))["probabilities"].numpy()
+
+
+def verify_export(export_dir, model, images, dataset_spec, image_size):
+    """Checks that the export serves what `model` predicts in this process.
+
+    Returns:
+        The served probabilities for `images`.
+
+    Raises:
+        RuntimeError: naming how many images the two classify differently.
+    """
+    served = served_probabilities(export_dir, images)
+    logits = model(data.preprocess(images, dataset_spec, image_size), training=False)
+    in_process = tf.nn.softmax(tf.cast(logits, tf.float32)).numpy()
+    differ = int(np.sum(served.argmax(1) != in_process.argmax(1)))
+    if differ:
+        raise RuntimeError(
+            f"The export at {export_dir} classifies {differ} of {len(images)} "
+            "images differently from the trained model; it was not written "
+            "from this model, or its preprocessing differs from training's."
+        )
+    return served
 
 
 # Siblings of an export directory: one being written (or, after the swap, the
