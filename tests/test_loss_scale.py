@@ -1,7 +1,10 @@
 """Tests for tfscale.optimizers.LossScaleOptimizer.
 
 The multi-worker tests start 2 real workers (tests/workers/loss_scale_worker.py)
-that train under mixed_float16 with an inf in worker 1's batch at step 2 only.
+that train under mixed_float16 with an inf in worker 1's batch at step 2 only,
+with tfscale's LossScaleOptimizer given to compile, or with a plain SGD that
+compile wraps itself, as Keras's mixed-precision guide teaches
+(https://keras.io/guides/mixed_precision/).
 
 Measured on the project machine (2 cores), stock Keras in that setting:
 worker 0 enters the gradient all-reduce, worker 1 skips the step; neither
@@ -21,6 +24,8 @@ from tests import multiworker
 
 BAD_STEP = 2
 STEPS = 6
+TFSCALE_CLASS = "tfscale.optimizers.loss_scale.LossScaleOptimizer"
+KERAS_CLASS = "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer"
 
 
 @pytest.fixture(autouse=True)
@@ -88,16 +93,45 @@ def test_one_process_skips_a_non_finite_step_and_halves_the_scale():
     assert float(optimizer.dynamic_scale.numpy()) == 128.0
 
 
-def test_workers_agree_to_skip_when_one_overflows(tmp_path):
-    run = multiworker.run_workers(
-        "loss_scale_worker.py", 2, tmp_path,
-        args=[f"--steps={STEPS}", f"--bad_step={BAD_STEP}"], timeout=120)
+def test_compile_wraps_in_tfscale_loss_scale_under_a_tfscale_strategy():
+    """The compile hook (_tf_private.route_compile_loss_scaling) is called:
+    this fails as soon as a Keras change bypasses it."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    strategy = tfscale.Strategy()
+    with strategy.scope():
+        model = _tiny_model()
+        sgd = keras.optimizers.SGD(0.1)
+        model.compile(optimizer=sgd, loss="mse")
+    assert type(model.optimizer) is tfscale.optimizers.LossScaleOptimizer
+    assert model.optimizer.inner_optimizer is sgd
+    assert model.optimizer.name == "loss_scale_optimizer"
+    assert model.optimizer.initial_scale == 2.0**15  # Keras's default
+    # A LossScaleOptimizer given to compile is used as it is, Keras's too.
+    with strategy.scope():
+        model = _tiny_model()
+        given = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+        model.compile(optimizer=given, loss="mse")
+    assert model.optimizer is given
+    # Outside a tfscale.Strategy compile keeps Keras's own class.
+    model = _tiny_model()
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    # Other policies are not wrapped at all.
+    keras.mixed_precision.set_global_policy("float32")
+    with strategy.scope():
+        model = _tiny_model()
+        model.compile(optimizer=sgd, loss="mse")
+    assert model.optimizer is sgd
+
+
+def _assert_agreed_skip(run, initial_scale):
+    """Both workers skipped BAD_STEP together, halved the scale together and
+    hold bitwise identical weights at every step."""
     multiworker.assert_succeeded(run)
     chief, other = run.results
     for result in run.results:
         assert result["done"]
-        assert result["optimizer_class"] == (
-            "tfscale.optimizers.loss_scale.LossScaleOptimizer")
+        assert result["optimizer_class"] == TFSCALE_CLASS
         # Entry 0: before training; entry k + 1: after step k.
         assert len(result["weights"]) == STEPS + 1
         # Both workers skipped step BAD_STEP: weights unchanged by it...
@@ -108,7 +142,8 @@ def test_workers_agree_to_skip_when_one_overflows(tmp_path):
         assert np.isfinite(np.concatenate(result["weights"][-1])).all()
         # ...the scale was halved once, together, and the step not counted.
         assert result["scales"] == (
-            [1024.0] * (BAD_STEP + 1) + [512.0] * (STEPS - BAD_STEP))
+            [initial_scale] * (BAD_STEP + 1)
+            + [initial_scale / 2] * (STEPS - BAD_STEP))
         assert result["iterations"] == (
             list(range(BAD_STEP + 1)) + list(range(BAD_STEP, STEPS)))
     # Bitwise identical on both workers, at every step (JSON floats of
@@ -117,18 +152,42 @@ def test_workers_agree_to_skip_when_one_overflows(tmp_path):
     assert chief["scales"] == other["scales"]
 
 
-def test_stock_keras_deadlocks_when_one_worker_overflows(tmp_path):
-    """The failure this class fixes: Keras's own LossScaleOptimizer."""
+def test_workers_agree_to_skip_when_one_overflows(tmp_path):
     run = multiworker.run_workers(
         "loss_scale_worker.py", 2, tmp_path,
-        args=["--loss_scale=stock", f"--steps={STEPS}",
-              f"--bad_step={BAD_STEP}", "--collective_timeout=15"],
+        args=[f"--steps={STEPS}", f"--bad_step={BAD_STEP}"], timeout=120)
+    _assert_agreed_skip(run, initial_scale=1024.0)
+
+
+def test_keras_guide_mixed_float16_fit_agrees_to_skip(tmp_path):
+    """A user who follows Keras's guide (set the mixed_float16 policy, compile
+    a plain SGD) gets tfscale's agreed skip under tfscale.Strategy."""
+    run = multiworker.run_workers(
+        "loss_scale_worker.py", 2, tmp_path,
+        args=["--loss_scale=compile", f"--steps={STEPS}",
+              f"--bad_step={BAD_STEP}"], timeout=120)
+    _assert_agreed_skip(run, initial_scale=2.0**15)
+
+
+@pytest.mark.parametrize("strategy, loss_scale", [
+    # The same Keras-guide program under stock MWMS: compile picks Keras's.
+    ("stock", "compile"),
+    # Keras's LossScaleOptimizer given to compile explicitly is used as given.
+    ("tfscale", "stock"),
+])
+def test_keras_loss_scale_deadlocks_when_one_worker_overflows(
+        tmp_path, strategy, loss_scale):
+    """The failure tfscale's LossScaleOptimizer fixes: Keras's own."""
+    run = multiworker.run_workers(
+        "loss_scale_worker.py", 2, tmp_path,
+        args=[f"--strategy={strategy}", f"--loss_scale={loss_scale}",
+              f"--steps={STEPS}", f"--bad_step={BAD_STEP}",
+              "--collective_timeout=15"],
         timeout=90)
     assert run.returncode not in (0, 124), run.output[-3000:]
     assert "Collective has timed out" in run.output, run.output[-3000:]
     # Both got through the steps before the bad one and no further.
     for result in run.results:
         assert result is not None and not result["done"]
-        assert result["optimizer_class"] == (
-            "keras.src.optimizers.loss_scale_optimizer.LossScaleOptimizer")
+        assert result["optimizer_class"] == KERAS_CLASS
         assert len(result["weights"]) == BAD_STEP + 1

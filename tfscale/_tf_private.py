@@ -30,6 +30,12 @@ test that fails loudly when it stops working (versions pinned in setup.py):
 - Keras's `seed_generator_state` variable path (`seed_generator_states`):
   Dropout's random state, which `tf.train.Checkpoint` does not reach through
   the model. tests/reliability/test_resume.py (bitwise-equal resume).
+- The name `LossScaleOptimizer` in `keras.src.trainers.trainer`, which
+  `Model.compile` wraps its optimizer in under `mixed_float16`
+  (`route_compile_loss_scaling`): under a `tfscale.Strategy` compile builds
+  `tfscale.optimizers.LossScaleOptimizer`. tests/test_loss_scale.py,
+  test_compile_wraps_in_tfscale_loss_scale_under_a_tfscale_strategy (one
+  process) and test_keras_guide_mixed_float16_fit_agrees_to_skip (2 workers).
 """
 
 import itertools
@@ -42,6 +48,7 @@ from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.eager import context
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
+from keras.src.trainers import trainer as keras_trainer
 
 from tfscale import collectives
 
@@ -378,3 +385,83 @@ def seed_generator_states(model):
     a resumed Dropout draws other masks. Keras names them by this path.
     """
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
+
+
+class CompileLossScaleOptimizer:
+    """Stands in for `LossScaleOptimizer` where `Model.compile` looks it up.
+
+    Keras 3.15's `Trainer.compile` (keras/src/trainers/trainer.py) does, with
+    the name `LossScaleOptimizer` its module imported:
+
+    ```python
+    if (auto_scale_loss and self.dtype_policy.name == "mixed_float16"
+            and self.optimizer
+            and not isinstance(self.optimizer, LossScaleOptimizer)):
+        self.optimizer = LossScaleOptimizer(
+            self.optimizer, name="loss_scale_optimizer")
+    ```
+
+    Keras exposes no way to choose that class. This object takes the name's
+    place: `isinstance` answers as Keras's class does (an optimizer that
+    already is a Keras `LossScaleOptimizer`, tfscale's included, is not
+    wrapped), and calling it builds the class `choose()` returns at that
+    moment.
+
+    Args:
+        keras_class: Keras's `LossScaleOptimizer`, the class replaced.
+        choose: `fn() -> class`, a subclass of `keras_class` (or it) to build.
+    """
+
+    def __init__(self, keras_class, choose):
+        self.keras_class = keras_class
+        self.choose = choose
+
+    def __instancecheck__(self, instance):
+        return isinstance(instance, self.keras_class)
+
+    def __call__(self, *args, **kwargs):
+        cls = self.choose()
+        if not issubclass(cls, self.keras_class):
+            raise TypeError(
+                f"Argument `choose` must return a subclass of {self.keras_class}. "
+                f"Received: choose() returned {cls!r}")
+        return cls(*args, **kwargs)
+
+
+def route_compile_loss_scaling(choose):
+    """Makes `Model.compile` build its automatic loss-scale wrapper with
+    `choose()`, the class to use (see `CompileLossScaleOptimizer`).
+
+    Idempotent: a second call only replaces `choose`.
+
+    Returns:
+        The installed `CompileLossScaleOptimizer`.
+
+    Raises:
+        RuntimeError: under the `mixed_float16` policy, when
+            `keras.src.trainers.trainer.LossScaleOptimizer` is no longer
+            Keras's class (a Keras change moved it), rather than letting
+            compile silently wrap in a loss scaling that deadlocks. Under
+            other policies the same is a warning, and None is returned.
+    """
+    current = getattr(keras_trainer, "LossScaleOptimizer", None)
+    if type(current) is CompileLossScaleOptimizer:
+        current.choose = choose
+        return current
+    if current is not keras.optimizers.LossScaleOptimizer:
+        message = (
+            "tfscale cannot make Model.compile wrap its optimizer in "
+            "tfscale.optimizers.LossScaleOptimizer under mixed_float16: Keras "
+            f"{keras.__version__} no longer has `LossScaleOptimizer` in "
+            "keras.src.trainers.trainer (tested with Keras "
+            f"{TESTED_VERSIONS['keras']}x), and Keras's own one deadlocks "
+            "when one worker overflows. Install the pinned Keras, or pass "
+            "optimizer=tfscale.optimizers.LossScaleOptimizer(your_optimizer) "
+            f"to compile yourself. Found: {current!r}")
+        if keras.mixed_precision.global_policy().name == "mixed_float16":
+            raise RuntimeError(message)
+        logging.warning(message)
+        return None
+    hook = CompileLossScaleOptimizer(current, choose)
+    keras_trainer.LossScaleOptimizer = hook
+    return hook

@@ -319,9 +319,11 @@ def make_optimizer(settings, global_batch_size, steps_per_epoch, epochs):
     """The Keras optimizer and its learning rate described by `settings`.
 
     Under `mixed_float16` the optimizer is wrapped in
-    `tfscale.optimizers.LossScaleOptimizer` (Keras's `compile` would
-    otherwise wrap it in its own, which deadlocks across workers when one
-    overflows). Build it inside `strategy.scope()`.
+    `tfscale.optimizers.LossScaleOptimizer`, whatever the strategy (under
+    `tfscale.Strategy`, `compile` would choose the same for a plain
+    optimizer; under stock strategies it would wrap it in Keras's own, which
+    deadlocks across workers when one overflows). Build it inside
+    `strategy.scope()`.
 
     Args:
         settings: a `Settings`.

@@ -6,13 +6,19 @@ Two things separate it from stock MWMS:
   (keras-team/keras#20585, tensorflow/tensorflow#72388).
 - Dense all-reduces (gradients, metrics, losses) go through tfscale's fused
   collectives, configured by `CommunicationOptions`.
+- Under the `mixed_float16` policy, `model.compile` in its scope wraps the
+  optimizer in `tfscale.optimizers.LossScaleOptimizer`, whose skip decision
+  agrees across workers, instead of Keras's own (which deadlocks as soon as
+  one worker overflows and another does not).
 """
 
 from absl import logging
+import keras
 import tensorflow as tf
 
 from tfscale import _tf_private
 from tfscale import collectives
+from tfscale import optimizers
 from tfscale._validation import is_int
 from tfscale._validation import is_number
 
@@ -309,6 +315,21 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
     Several strategies may be built one after another in one process (every
     worker in the same order); each takes collective keys of its own.
 
+    Mixed precision as Keras's guide teaches it
+    (https://keras.io/guides/mixed_precision/ ; Micikevicius et al. 2018,
+    https://arxiv.org/abs/1710.03740) works unchanged: with
+    `keras.mixed_precision.set_global_policy("mixed_float16")`, `compile`
+    inside `strategy.scope()` wraps a plain optimizer in
+    `tfscale.optimizers.LossScaleOptimizer` where Keras would use its own
+    `keras.optimizers.LossScaleOptimizer`. Keras's decides from each worker's
+    LOCAL gradients whether to skip a step; when only one worker overflows
+    (routine early in float16 training) the workers take different branches
+    around the gradient all-reduce and hang until the collective timeout.
+    tfscale's sums a non-finite flag over all workers first, so all skip
+    together and halve the scale together. An optimizer that already is a
+    `LossScaleOptimizer` is left as given: wrap it in tfscale's yourself in a
+    custom training loop.
+
     Args:
         communication: a `tfscale.CommunicationOptions`; defaults to its
             defaults.
@@ -337,6 +358,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             logging.info(
                 "tfscale.Strategy: %s; %s.", self._topology.describe(), communication
             )
+        _tf_private.route_compile_loss_scaling(_compile_loss_scale_class)
 
     def _install_all_reduce(self):
         """Routes dense all-reduces through tfscale's fused collectives."""
@@ -402,6 +424,16 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         """Number of tensors in each dense batch routed through tfscale's
         all-reduce, recorded when traced (shows that Keras uses the hook)."""
         return list(self._routed_ops.routed_batch_sizes)
+
+
+def _compile_loss_scale_class():
+    """The loss-scale class `Model.compile` wraps its optimizer in under
+    `mixed_float16`: tfscale's under a `tfscale.Strategy` (decided, as Keras's
+    optimizers capture their strategy, by the strategy in scope when compile
+    builds it), Keras's own elsewhere (stock strategies, no strategy)."""
+    if isinstance(tf.distribute.get_strategy(), Strategy):
+        return optimizers.LossScaleOptimizer
+    return keras.optimizers.LossScaleOptimizer
 
 
 def _rank(value):

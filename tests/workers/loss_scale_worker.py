@@ -1,8 +1,12 @@
 """Trains under mixed_float16 with an inf in worker 1's data at one step.
 
-Flags: --loss_scale=tfscale|stock (tfscale.optimizers.LossScaleOptimizer or
-keras.optimizers.LossScaleOptimizer), --bad_step, --steps,
---collective_timeout. Reports, per step, the weights and the loss scale.
+Flags: --loss_scale=tfscale|stock|compile (SGD wrapped by the worker in
+tfscale.optimizers.LossScaleOptimizer or keras.optimizers.LossScaleOptimizer,
+or, as Keras's mixed-precision guide teaches, plain SGD that `compile` wraps
+itself), --strategy=tfscale|stock (tfscale.Strategy or
+tfscale.strategy.KerasMultiWorkerMirroredStrategy, stock MWMS with only the
+Keras 3 fit fix), --bad_step, --steps, --collective_timeout. Reports, per
+step, the weights and the loss scale, and which class compile produced.
 """
 
 import numpy as np
@@ -14,8 +18,11 @@ import keras
 import tfscale
 from report import report
 
-flags.DEFINE_enum("loss_scale", "tfscale", ["tfscale", "stock"],
-                  "Which LossScaleOptimizer wraps SGD.")
+flags.DEFINE_enum("loss_scale", "tfscale", ["tfscale", "stock", "compile"],
+                  "Which LossScaleOptimizer wraps SGD; compile: the one "
+                  "model.compile chooses for a plain SGD.")
+flags.DEFINE_enum("strategy", "tfscale", ["tfscale", "stock"],
+                  "tfscale.Strategy, or stock MWMS with the Keras fit fix.")
 flags.DEFINE_integer("steps", 6, "Training steps.")
 flags.DEFINE_integer("bad_step", 2, "Step (0-based) whose batch is inf on worker 1.")
 flags.DEFINE_float("collective_timeout", 120, "Collective timeout in seconds.")
@@ -23,7 +30,9 @@ FLAGS = flags.FLAGS
 
 GLOBAL_BATCH = 8
 FEATURES = 5
-INITIAL_SCALE = 1024.0  # low enough that no finite step overflows by itself
+# Low enough that no finite step overflows by itself. compile uses Keras's
+# default, 2**15, which this model's finite steps also stand.
+INITIAL_SCALE = 1024.0
 
 
 def dataset_fn(input_context):
@@ -78,12 +87,15 @@ class Recorder(keras.callbacks.Callback):
 
 def main(argv):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = tfscale.Strategy(
-        communication=tfscale.CommunicationOptions(
-            timeout_seconds=FLAGS.collective_timeout))
+    if FLAGS.strategy == "tfscale":
+        strategy = tfscale.Strategy(
+            communication=tfscale.CommunicationOptions(
+                timeout_seconds=FLAGS.collective_timeout))
+    else:
+        strategy = tfscale.strategy.KerasMultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=FLAGS.collective_timeout))
     keras.utils.set_random_seed(0)
-    wrapper = {"tfscale": tfscale.optimizers.LossScaleOptimizer,
-               "stock": keras.optimizers.LossScaleOptimizer}[FLAGS.loss_scale]
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((FEATURES,)),
@@ -91,17 +103,26 @@ def main(argv):
             keras.layers.Dense(3),
             keras.layers.Activation("linear", dtype="float32"),
         ])
-        optimizer = wrapper(keras.optimizers.SGD(0.1, momentum=0.9),
-                            initial_scale=INITIAL_SCALE,
-                            dynamic_growth_steps=1000)
+        sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+        if FLAGS.loss_scale == "compile":
+            optimizer = sgd
+        else:
+            wrapper = {"tfscale": tfscale.optimizers.LossScaleOptimizer,
+                       "stock": keras.optimizers.LossScaleOptimizer}[FLAGS.loss_scale]
+            optimizer = wrapper(sgd, initial_scale=INITIAL_SCALE,
+                                dynamic_growth_steps=1000)
         model.compile(
             optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         # Built up front so the recorder can read the scale before step 0.
-        optimizer.build(model.trainable_variables)
+        model.optimizer.build(model.trainable_variables)
     data = strategy.distribute_datasets_from_function(dataset_fn)
-    # compile must not have wrapped our LossScaleOptimizer in Keras's.
-    assert model.optimizer is optimizer, type(model.optimizer)
+    if FLAGS.loss_scale == "compile":
+        # compile wrapped the plain SGD in a loss-scale optimizer.
+        assert model.optimizer.inner_optimizer is sgd, type(model.optimizer)
+    else:
+        # compile must not have wrapped our LossScaleOptimizer in another.
+        assert model.optimizer is optimizer, type(model.optimizer)
     recorder = Recorder(strategy)
     model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps,
               callbacks=[recorder], verbose=0)
