@@ -54,6 +54,7 @@ def test_workers_end_with_bitwise_identical_weights(results, data, steps):
         for result in results[1:]:
             np.testing.assert_array_equal(flat(result[key]["weights"]),
                                           flat(results[0][key]["weights"]))
+            assert result[key]["evaluation"] == results[0][key]["evaluation"]
 
 
 @pytest.mark.parametrize("data,steps", RUNS)
@@ -67,6 +68,7 @@ def test_steps_per_execution_gives_the_weights_of_one_step_per_execution(
         np.testing.assert_array_equal(flat(many["weights"]), flat(one["weights"]))
         assert many["loss"] == one["loss"]
         assert many["accuracy"] == one["accuracy"]
+        assert many["evaluation"] == one["evaluation"]
 
 
 @pytest.mark.parametrize("data,steps", RUNS)

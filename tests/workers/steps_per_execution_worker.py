@@ -4,12 +4,13 @@ Flags: --strategy=tfscale|stock (stock: `KerasMultiWorkerMirroredStrategy`),
 --steps_per_execution (N). Two inputs, each trained from the same seed with
 both settings:
 - `distributed`: an infinite tf.data pipeline through
-  `distribute_datasets_from_function`, 8 steps a epoch (executions of N steps);
+  `distribute_datasets_from_function`, 8 steps an epoch (executions of N steps);
 - `numpy`: arrays handed to `fit`, which Keras shards into a finite pipeline
   of 6 batches an epoch (with N=4 the second execution of each epoch runs 2
   steps; each `get_next_as_optional` inside Keras's loop all-reduces whether
   a worker still has data).
-Reports each run's trained weights, losses and the collective instance keys
+Each model is then evaluated on the arrays, with its own steps_per_execution.
+Reports each run's trained weights, losses, evaluation and the instance keys
 fixed at trace time because the collective sat inside Keras's loop.
 """
 
@@ -59,7 +60,11 @@ def train(strategy, steps_per_execution, data):
         x, y = make_data()
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
                             verbose=0)
+    # evaluate runs Keras's same loop (6 batches: executions of 4 and 2).
+    x, y = make_data()
+    evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     return {
+        "evaluation": evaluation,
         "weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
         "loss": history.history["loss"],
         "accuracy": history.history["accuracy"],
