@@ -13,6 +13,12 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   tests/test_strategy.py, test_gradients_are_routed_through_tfscale_cross_device_ops.
 - `_TimedCollectiveAllReduce`: times stock MWMS's own all-reduces for the
   benchmarks. tests/test_strategy.py, test_stock_strategy_times_its_all_reduces.
+- `CollectiveReplicaLauncher._next_instance_key` (overridden by
+  `_LoopSafeLauncher`, installed in every `CollectiveAllReduce` tfscale's
+  strategies use, as its `_launchers`): collectives that Keras runs in
+  its `steps_per_execution` while loop get an instance key fixed when traced,
+  because TensorFlow never feeds the call-time key there (see the class).
+  tests/test_steps_per_execution.py, test_loop_instance_keys_are_fixed_at_trace_time.
 - `CollectiveReplicaLauncher` / `CollectiveKeys` / `collective_ops`: raw
   collectives over sub-groups of the cluster (`CollectiveGroup`).
   tests/test_collectives.py (float64-oracle all-reduces of every algorithm).
@@ -46,6 +52,7 @@ from absl import logging
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
 from keras.src.trainers import trainer as keras_trainer
@@ -108,6 +115,97 @@ def check_versions():
                 prefix,
                 found[package],
             )
+
+
+def _call_time_key_would_be_lost():
+    """Whether a call-time instance key taken now would never be fed.
+
+    `CollectiveReplicaLauncher._next_instance_key` captures the key, at call
+    time, in the function graph being traced (skipping `tf.cond`/`tf.while_loop`
+    branch graphs, which cannot take such captures). When that function is
+    itself called from inside a branch of an enclosing function (Keras's
+    `steps_per_execution` loop calls its one-step `tf.function` inside
+    `tf.while_loop` -> `tf.cond`), TensorFlow moves the capture onto that
+    branch graph (`FuncGraph.capture_call_time_value`'s `wrapped_closure`
+    uses the default graph), where `cond_v2`/`while_v2` never feed it: every
+    worker fails with `InvalidArgumentError: You must feed a value for
+    placeholder tensor 'while/cond/Placeholder'`. One worker never all-reduces,
+    so it never takes a key and does not fail.
+    """
+    if context.executing_eagerly():
+        return False
+    graph = ops.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    if not graph.building_function:
+        return False
+    outer = graph.outer_graph
+    while outer is not None:
+        if getattr(outer, "is_control_flow_graph", False):
+            return True
+        outer = getattr(outer, "outer_graph", None)
+    return False
+
+
+class _LoopSafeLauncher(cross_device_utils.CollectiveReplicaLauncher):
+    """`CollectiveReplicaLauncher` whose collectives also run in Keras's loop.
+
+    With `steps_per_execution > 1` Keras runs its one-step `tf.function`
+    inside a `tf.while_loop` (keras/src/backend/tensorflow/trainer.py,
+    `multi_step_on_iterator`); TensorFlow's call-time instance keys cannot
+    reach collectives there (`_call_time_key_would_be_lost`). Those
+    collectives get their key when traced instead, as TensorFlow itself does
+    when `CollectiveReplicaLauncher._prefer_unique_instance_key` is off: a
+    constant that every execution of the traced function reuses (TensorFlow
+    tells the loop's iterations apart by their frame and iteration). Every
+    worker traces Keras's functions in the same order, so the keys agree.
+    Every other collective keeps its call-time key.
+
+    Args:
+        loop_instance_keys: a list to which each key fixed at trace time is
+            appended (tests check that this hook is still called).
+        *args: `CollectiveReplicaLauncher`'s.
+    """
+
+    def __init__(self, *args, loop_instance_keys):
+        super().__init__(*args)
+        self.loop_instance_keys = loop_instance_keys
+
+    def _next_instance_key(self):
+        if self._use_unique_instance_key() and _call_time_key_would_be_lost():
+            key = self._collective_keys.get_instance_key(self._group_key, self._device)
+            self.loop_instance_keys.append(key)
+            return key
+        return super()._next_instance_key()
+
+
+class _LoopSafeCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
+    """MWMS's `CollectiveAllReduce` with `_LoopSafeLauncher`s (Keras's
+    `steps_per_execution > 1`); the base of every tfscale `CrossDeviceOps`."""
+
+    def __init__(self, **stock_args):
+        super().__init__(**stock_args)
+        # Instance keys fixed at trace time, for all of this object's groups.
+        self.loop_instance_keys = []
+        self._launchers = [
+            _LoopSafeLauncher(
+                launcher._group_key, launcher._group_size,
+                launcher._collective_keys, launcher._device, launcher._options,
+                loop_instance_keys=self.loop_instance_keys,
+            )
+            for launcher in self._launchers
+        ]
+
+
+def install_loop_safe_cross_device_ops(strategy):
+    """Gives a stock MWMS `_LoopSafeCollectiveAllReduce` (same group key)."""
+    strategy.extended._cross_device_ops = _LoopSafeCollectiveAllReduce(
+        **_stock_args(strategy))
+
+
+def loop_instance_keys(strategy):
+    """Instance keys fixed at trace time (collectives in Keras's loop)."""
+    return list(strategy.extended._cross_device_ops.loop_instance_keys)
 
 
 class CollectiveGroup:
@@ -178,8 +276,9 @@ class CollectiveGroup:
         # registers the key for this device and counts its instance keys.
         keys = cross_device_utils.CollectiveKeys(group_key_start=key)
         assert keys.get_group_key([self.device]) == key
-        launcher = cross_device_utils.CollectiveReplicaLauncher(
-            key, size, keys, self.device, self._launcher._options
+        launcher = _LoopSafeLauncher(
+            key, size, keys, self.device, self._launcher._options,
+            loop_instance_keys=self._launcher.loop_instance_keys,
         )
         group = CollectiveGroup(launcher, self._timeout_seconds, self._key_base)
         self._subgroups[index] = group
@@ -262,7 +361,7 @@ def _as_copyable(tensor):
     return tensor, dtype
 
 
-class TfscaleCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
+class TfscaleCollectiveAllReduce(_LoopSafeCollectiveAllReduce):
     """MWMS's `CollectiveAllReduce`, with dense all-reduces routed to tfscale.
 
     Keras 3 reduces gradients, metrics and losses through
@@ -327,7 +426,7 @@ def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds):
     return ops
 
 
-class _TimedCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
+class _TimedCollectiveAllReduce(_LoopSafeCollectiveAllReduce):
     """MWMS's own `CollectiveAllReduce`, each batch timed as tfscale's are."""
 
     def __init__(self, exposed_communication_seconds, **stock_args):

@@ -1,9 +1,11 @@
 """`tfscale.Strategy`: MultiWorkerMirroredStrategy with a working Keras 3 fit.
 
-Two things separate it from stock MWMS:
+Three things separate it from stock MWMS:
 - `reduce` accepts what Keras 3 hands it (nests; rank-0 values with `axis=0`),
   which makes `model.fit`, `evaluate` and `predict` work with 2+ workers
   (keras-team/keras#20585, tensorflow/tensorflow#72388).
+- All-reduces also run inside Keras's `steps_per_execution` loop
+  (`loop_instance_keys`).
 - Dense all-reduces (gradients, metrics, losses) go through tfscale's fused
   collectives, configured by `CommunicationOptions`.
 - Under the `mixed_float16` policy, `model.compile` in its scope wraps the
@@ -196,7 +198,10 @@ class CommunicationOptions:
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
-    """Stock MultiWorkerMirroredStrategy with only the Keras 3 `fit` fix.
+    """Stock MultiWorkerMirroredStrategy with only the Keras 3 `fit` fixes.
+
+    The fixes: `reduce` takes what Keras 3 hands it, and all-reduces run inside
+    Keras's `steps_per_execution > 1` loop (`loop_instance_keys`).
 
     Gradients take TensorFlow's own all-reduce, packed as
     `communication_options` says. This is the baseline tfscale's benchmarks
@@ -244,10 +249,29 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         self._install_all_reduce()
 
     def _install_all_reduce(self):
-        """Routes the all-reduces; here: TensorFlow's own, timed if asked."""
+        """Routes the all-reduces; here: TensorFlow's own, timed if asked.
+
+        Either way their collectives also work inside Keras's
+        `steps_per_execution` loop (see `loop_instance_keys`).
+        """
         if self._exposed_communication_seconds is not None:
             _tf_private.time_stock_all_reduces(
                 self, self._exposed_communication_seconds)
+        else:
+            _tf_private.install_loop_safe_cross_device_ops(self)
+
+    @property
+    def loop_instance_keys(self):
+        """Collective instance keys fixed when traced, not at each call.
+
+        Keras's `steps_per_execution > 1` runs each step's all-reduces inside
+        a `tf.while_loop`, where TensorFlow cannot feed the fresh key it
+        otherwise gives each call (stock MWMS fails there with 2+ workers:
+        `You must feed a value for placeholder tensor 'while/cond/Placeholder'`).
+        Those all-reduces take a key when traced, listed here; empty with one
+        worker or `steps_per_execution=1`.
+        """
+        return _tf_private.loop_instance_keys(self)
 
     @property
     def exposed_communication_seconds(self):
