@@ -30,6 +30,13 @@ test that fails loudly when it stops working (versions pinned in setup.py):
 - Keras's `seed_generator_state` variable path (`seed_generator_states`):
   Dropout's random state, which `tf.train.Checkpoint` does not reach through
   the model. tests/reliability/test_resume.py (bitwise-equal resume).
+- `Model._initial_epoch` (`set_initial_epoch`): the epoch a `fit` already
+  under way starts from, as Keras's own BackupAndRestore sets it.
+  tests/test_backup_and_restore.py, test_resumes_at_the_saved_step.
+- `fit` calling `keras.callbacks.CallbackList.on_train_begin` and
+  `on_train_end` around training (`add_fit_hooks`): where tfscale sees the
+  user's callbacks, which `fit` gets and the strategy does not.
+  tests/test_keras_callbacks.py, test_fit_calls_the_hooks.
 """
 
 import itertools
@@ -378,3 +385,51 @@ def seed_generator_states(model):
     a resumed Dropout draws other masks. Keras names them by this path.
     """
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
+
+
+def set_initial_epoch(model, epoch):
+    """Makes the `fit` under way start at `epoch` (`None`: its argument).
+
+    Call it from a callback's `on_train_begin`: Keras's fit reads the value
+    right after (keras.src.backend.tensorflow.trainer, `fit`), and keeps it
+    for later fits until it is reset to `None`.
+    """
+    model._initial_epoch = epoch
+
+
+_fit_hooks = []
+
+
+def add_fit_hooks(on_train_begin, on_train_end):
+    """Calls `on_train_begin(callback_list)` before any callback's own
+    `on_train_begin` in every `fit`, and `on_train_end(callback_list)` after
+    every callback's `on_train_end`.
+
+    Wraps `keras.callbacks.CallbackList`'s two methods once per process; the
+    hooks see `callback_list.callbacks` and `callback_list.model`. A hook
+    added twice runs once.
+    """
+    if (on_train_begin, on_train_end) in _fit_hooks:
+        return
+    _fit_hooks.append((on_train_begin, on_train_end))
+    callback_list = keras.callbacks.CallbackList
+    if getattr(callback_list.on_train_begin, "tfscale_hooked", False):
+        return
+    original_begin = callback_list.on_train_begin
+    original_end = callback_list.on_train_end
+
+    def on_train_begin(self, logs=None):
+        for begin, _ in _fit_hooks:
+            begin(self)
+        return original_begin(self, logs)
+
+    def on_train_end(self, logs=None):
+        try:
+            return original_end(self, logs)
+        finally:
+            for _, end in _fit_hooks:
+                end(self)
+
+    on_train_begin.tfscale_hooked = True
+    callback_list.on_train_begin = on_train_begin
+    callback_list.on_train_end = on_train_end
