@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from multiworker import WORKERS_DIR
 from tfscale import callbacks
+from tfscale import checkpoint
 
 sys.path.insert(0, WORKERS_DIR)
 from tutorial_callbacks import Steps  # noqa: E402  (the optimizer step trained)
@@ -105,3 +106,14 @@ def test_a_resumed_run_that_was_not_interrupted_started_from_scratch(tmp_path):
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         callbacks.BackupAndRestore(**kwargs)
+
+
+def test_a_directory_of_other_checkpoints_is_refused(tmp_path):
+    model, dataset, steps = model_and_data(False)
+    model.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
+    checkpoint.save(model, tmp_path, step=1)  # as tfscale-train writes them
+    with pytest.raises(ValueError, match=(
+            r"Argument `backup_dir` holds checkpoints that "
+            r"tfscale.callbacks.BackupAndRestore did not write .*"
+            rf"Received: backup_dir='{tmp_path}'")):
+        run(str(tmp_path), False)

@@ -86,10 +86,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position = 0  # batches read from `_iterator`
         self._skip_batches = 0  # calls of the resumed epoch left out
         self._skip_reads = 0  # batches to read from the first iterator
+        saved = checkpoint.state(self.backup_dir)
+        if saved is not None and "position" not in saved:
+            raise ValueError(
+                f"Argument `backup_dir` holds checkpoints that "
+                "tfscale.callbacks.BackupAndRestore did not write (they do not "
+                "say where in the input to resume); give it a directory of its "
+                f"own. Received: backup_dir={self.backup_dir!r}")
         with self._strategy().scope():
             step = checkpoint.restore(model, self.backup_dir)
         self._last_saved = step
-        saved = checkpoint.state(self.backup_dir) if step else None
         if saved is not None:
             self._epoch = saved["epoch"]
             self._skip_batches = saved["batch"]
