@@ -33,8 +33,8 @@ test that fails loudly when it stops working (versions pinned in setup.py):
 - `Model._initial_epoch` (`set_initial_epoch`): the epoch a `fit` already
   under way starts from, as Keras's own BackupAndRestore sets it.
   tests/test_backup_and_restore.py, test_resumes_at_the_saved_step.
-- `fit` calling `keras.callbacks.CallbackList.on_train_begin` and
-  `on_train_end` around training (`add_fit_hooks`): where tfscale sees the
+- `fit` calling `keras.callbacks.CallbackList.set_model` before training
+  and `on_train_end` after it (`add_fit_hooks`): where tfscale sees the
   user's callbacks, which `fit` gets and the strategy does not.
   tests/test_keras_callbacks.py, test_fit_calls_the_hooks.
 """
@@ -400,28 +400,40 @@ def set_initial_epoch(model, epoch):
 _fit_hooks = []
 
 
-def add_fit_hooks(on_train_begin, on_train_end):
-    """Calls `on_train_begin(callback_list)` before any callback's own
-    `on_train_begin` in every `fit`, and `on_train_end(callback_list)` after
-    every callback's `on_train_end`.
+def add_fit_hooks(on_set_model, on_train_end):
+    """Calls `on_set_model(callback_list, model)` before a `fit` (or
+    `evaluate`, `predict`) hands its model to the callbacks, and
+    `on_train_end(callback_list)` after every callback's `on_train_end`.
 
-    Wraps `keras.callbacks.CallbackList`'s two methods once per process; the
-    hooks see `callback_list.callbacks` and `callback_list.model`. A hook
+    Wraps `keras.callbacks.CallbackList`'s `set_model` and `on_train_end`
+    once per process. `set_model` is where `fit` first shows the callbacks
+    (`callback_list.callbacks`) their model, before any of them has written
+    anything (TensorBoard writes the model's summary there). A hook pair
     added twice runs once.
+
+    Returns:
+        A function that removes the pair again.
     """
-    if (on_train_begin, on_train_end) in _fit_hooks:
-        return
-    _fit_hooks.append((on_train_begin, on_train_end))
+    pair = (on_set_model, on_train_end)
+
+    def remove():
+        if pair in _fit_hooks:
+            _fit_hooks.remove(pair)
+
+    if pair in _fit_hooks:
+        return remove
+    _fit_hooks.append(pair)
     callback_list = keras.callbacks.CallbackList
-    if getattr(callback_list.on_train_begin, "tfscale_hooked", False):
-        return
-    original_begin = callback_list.on_train_begin
+    if getattr(callback_list.set_model, "tfscale_hooked", False):
+        return remove
+    original_set_model = callback_list.set_model
     original_end = callback_list.on_train_end
 
-    def on_train_begin(self, logs=None):
-        for begin, _ in _fit_hooks:
-            begin(self)
-        return original_begin(self, logs)
+    def set_model(self, model):
+        if model:
+            for begin, _ in _fit_hooks:
+                begin(self, model)
+        return original_set_model(self, model)
 
     def on_train_end(self, logs=None):
         try:
@@ -430,6 +442,7 @@ def add_fit_hooks(on_train_begin, on_train_end):
             for _, end in _fit_hooks:
                 end(self)
 
-    on_train_begin.tfscale_hooked = True
-    callback_list.on_train_begin = on_train_begin
+    set_model.tfscale_hooked = True
+    callback_list.set_model = set_model
     callback_list.on_train_end = on_train_end
+    return remove
