@@ -101,3 +101,13 @@ def pids_with_env(marker):
         if marker.encode() in environ and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+def saved_step(directory):
+    """The step of the newest tfscale.checkpoint in `directory` (0: none yet,
+    or `state.json` being replaced)."""
+    try:
+        with open(os.path.join(directory, "state.json")) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError):
+        return 0

@@ -42,6 +42,13 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   `tfscale.optimizers.LossScaleOptimizer`. tests/test_loss_scale.py,
   test_compile_wraps_in_tfscale_loss_scale_under_a_tfscale_strategy (one
   process) and test_keras_guide_mixed_float16_fit_agrees_to_skip (2 workers).
+- `Model._initial_epoch` (`set_initial_epoch`): the epoch a `fit` already
+  under way starts from, as Keras's own BackupAndRestore sets it.
+  tests/test_backup_and_restore.py, test_resumes_at_the_saved_step.
+- `fit` calling `keras.callbacks.CallbackList.set_model` before training
+  and `on_train_end` after it (`add_fit_hooks`): where tfscale sees the
+  user's callbacks, which `fit` gets and the strategy does not.
+  tests/test_keras_callbacks.py, test_fit_calls_the_hooks.
 """
 
 import itertools
@@ -564,3 +571,64 @@ def route_compile_loss_scaling(choose):
     hook = CompileLossScaleOptimizer(current, choose)
     keras_trainer.LossScaleOptimizer = hook
     return hook
+
+
+def set_initial_epoch(model, epoch):
+    """Makes the `fit` under way start at `epoch` (`None`: its argument).
+
+    Call it from a callback's `on_train_begin`: Keras's fit reads the value
+    right after (keras.src.backend.tensorflow.trainer, `fit`), and keeps it
+    for later fits until it is reset to `None`.
+    """
+    model._initial_epoch = epoch
+
+
+_fit_hooks = []
+
+
+def add_fit_hooks(on_set_model, on_train_end):
+    """Calls `on_set_model(callback_list, model)` before a `fit` (or
+    `evaluate`, `predict`) hands its model to the callbacks, and
+    `on_train_end(callback_list)` after every callback's `on_train_end`.
+
+    Wraps `keras.callbacks.CallbackList`'s `set_model` and `on_train_end`
+    once per process. `set_model` is where `fit` first shows the callbacks
+    (`callback_list.callbacks`) their model, before any of them has written
+    anything (TensorBoard writes the model's summary there). A hook pair
+    added twice runs once.
+
+    Returns:
+        A function that removes the pair again.
+    """
+    pair = (on_set_model, on_train_end)
+
+    def remove():
+        if pair in _fit_hooks:
+            _fit_hooks.remove(pair)
+
+    if pair in _fit_hooks:
+        return remove
+    _fit_hooks.append(pair)
+    callback_list = keras.callbacks.CallbackList
+    if getattr(callback_list.set_model, "tfscale_hooked", False):
+        return remove
+    original_set_model = callback_list.set_model
+    original_end = callback_list.on_train_end
+
+    def set_model(self, model):
+        if model:
+            for begin, _ in _fit_hooks:
+                begin(self, model)
+        return original_set_model(self, model)
+
+    def on_train_end(self, logs=None):
+        try:
+            return original_end(self, logs)
+        finally:
+            for _, end in _fit_hooks:
+                end(self)
+
+    set_model.tfscale_hooked = True
+    callback_list.set_model = set_model
+    callback_list.on_train_end = on_train_end
+    return remove

@@ -32,14 +32,22 @@ def _trackable_state(model):
     )
 
 
-def latest(directory):
-    """(step, checkpoint prefix) of the newest checkpoint, or (0, None)."""
+def state(directory):
+    """What `save` recorded with the newest checkpoint (its `step`, its
+    `checkpoint` directory and the `extra` entries), or `None`."""
     path = os.path.join(directory, STATE_FILE)
     if not os.path.exists(path):
-        return 0, None
+        return None
     with open(path) as f:
-        state = json.load(f)
-    return state["step"], os.path.join(directory, state["checkpoint"], "ckpt")
+        return json.load(f)
+
+
+def latest(directory):
+    """(step, checkpoint prefix) of the newest checkpoint, or (0, None)."""
+    saved = state(directory)
+    if saved is None:
+        return 0, None
+    return saved["step"], os.path.join(directory, saved["checkpoint"], "ckpt")
 
 
 def restore(model, directory):
@@ -59,8 +67,11 @@ def restore(model, directory):
     return step
 
 
-def save(model, directory, step):
-    """Writes a checkpoint of `model` at `step` (chief only), atomically."""
+def save(model, directory, step, extra=None):
+    """Writes a checkpoint of `model` at `step` (chief only), atomically.
+
+    `extra` (a JSON-serializable dict) is recorded with it; `state` reads it.
+    """
     os.makedirs(directory, exist_ok=True)
     name = f"step-{step:09d}"
     partial = os.path.join(directory, f".partial-{uuid.uuid4().hex[:8]}")
@@ -73,7 +84,7 @@ def save(model, directory, step):
         shutil.rmtree(partial, ignore_errors=True)
     state_path = os.path.join(directory, STATE_FILE)
     with open(state_path + ".tmp", "w") as f:
-        json.dump({"step": step, "checkpoint": name}, f)
+        json.dump({**(extra or {}), "step": step, "checkpoint": name}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(state_path + ".tmp", state_path)

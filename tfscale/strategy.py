@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfscale import _tf_private
 from tfscale import collectives
+from tfscale import keras_callbacks
 from tfscale import optimizers
 from tfscale._validation import is_int
 from tfscale._validation import is_number
@@ -206,7 +207,11 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
     Gradients take TensorFlow's own all-reduce, packed as
     `communication_options` says. This is the baseline tfscale's benchmarks
     compare against, and the base of `tfscale.Strategy`, which adds its own
-    all-reduce. One replica per worker process, as with Horovod.
+    all-reduce. One replica per worker process, as with Horovod. With two or
+    more workers, `fit` refuses `keras.callbacks.BackupAndRestore` (use
+    `tfscale.callbacks.BackupAndRestore`) and lets only the chief write where
+    `ModelCheckpoint`, `TensorBoard` and `CSVLogger` are told to
+    (`tfscale.keras_callbacks`).
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`;
@@ -219,6 +224,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
     def __init__(self, cluster_resolver=None, communication_options=None,
                  time_all_reduces=False):
         _tf_private.check_versions()
+        # Keras's BackupAndRestore refused, its file writers chief-only.
+        keras_callbacks.install()
         number = _tf_private.take_collective_keys(self)
         timeout = getattr(communication_options, "timeout_seconds", None)
         timeout = timeout or _STARTUP_BARRIER_SECONDS

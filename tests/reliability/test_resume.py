@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from multiworker import pids_with_env
+from multiworker import saved_step
 from multiworker import worker_env
 
 STEPS_PER_EPOCH = 10
@@ -26,14 +27,6 @@ def command(model_dir):
             "tfscale-train", "--fc_units=32", "--global_batch_size=32",
             f"--epochs={EPOCHS}", f"--steps_per_epoch={STEPS_PER_EPOCH}",
             "--checkpoint_steps=3", f"--model_dir={model_dir}", "--export_dir="]
-
-
-def saved_step(model_dir):
-    try:
-        with open(os.path.join(model_dir, "state.json")) as f:
-            return json.load(f)["step"]
-    except (OSError, ValueError):
-        return 0
 
 
 def final_variables(model_dir):

@@ -1,5 +1,6 @@
 """Keras callbacks for multi-worker training, one per module."""
 
+from tfscale.callbacks.backup_and_restore import BackupAndRestore
 from tfscale.callbacks.backup_and_resume import BackupAndResume
 from tfscale.callbacks.step_timer import StepTimer
 from tfscale.callbacks.sync_batch_norm_statistics import SyncBatchNormStatistics

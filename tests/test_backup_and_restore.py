@@ -1,0 +1,119 @@
+"""tfscale.callbacks.BackupAndRestore in one process: a fit interrupted
+mid-epoch and run again resumes at the saved step and ends with the weights
+of a fit never interrupted (the 2-worker kill test is in
+tests/reliability/test_backup_and_restore_killed.py)."""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from multiworker import WORKERS_DIR
+from tfscale import callbacks
+from tfscale import checkpoint
+
+sys.path.insert(0, WORKERS_DIR)
+from tutorial_callbacks import Steps  # noqa: E402  (the optimizer step trained)
+
+STEPS_PER_EPOCH = 5
+EPOCHS = 3
+
+
+class Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_step):
+        super().__init__()
+        self.at_step = at_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.at_step:
+            raise KeyboardInterrupt  # what a killed process never gets past
+
+
+def model_and_data(per_epoch_iterator):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    x = np.random.RandomState(1).normal(size=(40, 4)).astype("float32")
+    y = np.random.RandomState(2).normal(size=(40, 2)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    if per_epoch_iterator:
+        # Keras starts a new iterator every epoch; a resumed process starts
+        # its count of them again, so each must shuffle the same way.
+        dataset = dataset.shuffle(40, seed=3, reshuffle_each_iteration=False)
+        return model, dataset.batch(8), None
+    dataset = dataset.shuffle(40, seed=3)
+    # one iterator through all epochs, as TensorFlow's tutorial does
+    return model, dataset.repeat().batch(8), STEPS_PER_EPOCH
+
+
+def run(backup_dir, per_epoch_iterator, extra=(), **kwargs):
+    model, dataset, steps = model_and_data(per_epoch_iterator)
+    model.fit(dataset, epochs=EPOCHS, steps_per_epoch=steps, verbose=0,
+              callbacks=[callbacks.BackupAndRestore(backup_dir, **kwargs), *extra])
+    return model
+
+
+@pytest.mark.parametrize("per_epoch_iterator", [False, True])
+@pytest.mark.parametrize("save_freq,interrupt_at,resumed_at", [
+    (3, 8, 6),  # mid-epoch 1 (steps 5-9)
+    ("epoch", 13, 10),  # the backup of epoch 1's end
+])
+def test_resumes_at_the_saved_step(tmp_path, per_epoch_iterator, save_freq,
+                                   interrupt_at, resumed_at):
+    straight = run(tmp_path / "straight", per_epoch_iterator, save_freq=save_freq)
+    assert not (tmp_path / "straight").exists()  # delete_checkpoint=True
+
+    backup = tmp_path / "backup"
+    with pytest.raises(KeyboardInterrupt):
+        run(backup, per_epoch_iterator, [Interrupt(interrupt_at)], save_freq=save_freq)
+    state = json.loads((backup / "state.json").read_text())
+    assert state["step"] == resumed_at
+    steps = Steps()
+    resumed = run(backup, per_epoch_iterator, [steps], save_freq=save_freq)
+
+    assert steps.first == resumed_at
+    assert steps.trained == list(range(resumed_at + 1, EPOCHS * STEPS_PER_EPOCH + 1))
+    for a, b in zip(straight.variables, resumed.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_a_resumed_run_that_was_not_interrupted_started_from_scratch(tmp_path):
+    model = run(tmp_path / "b", False, save_freq=2, delete_checkpoint=False)
+    state = json.loads((tmp_path / "b" / "state.json").read_text())
+    assert state["step"] == EPOCHS * STEPS_PER_EPOCH and state["epoch"] == EPOCHS
+    steps = Steps()
+    again = run(tmp_path / "b", False, [steps], save_freq=2, delete_checkpoint=False)
+    assert steps.first == EPOCHS * STEPS_PER_EPOCH and steps.trained == []
+    for a, b in zip(model.variables, again.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(backup_dir=""), r"Argument `backup_dir` must be a directory path\. "
+                          r"Received: backup_dir=''"),
+    (dict(backup_dir="b", save_freq=0),
+     r"Argument `save_freq` must be 'epoch' or an integer >= 1 \(batches between "
+     r"backups\)\. Received: save_freq=0"),
+    (dict(backup_dir="b", save_freq="batch"), r"Received: save_freq='batch'"),
+])
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        callbacks.BackupAndRestore(**kwargs)
+
+
+def test_a_directory_of_other_checkpoints_is_refused(tmp_path):
+    model, dataset, steps = model_and_data(False)
+    model.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
+    checkpoint.save(model, tmp_path, step=1)  # as tfscale-train writes them
+    with pytest.raises(ValueError, match=(
+            r"Argument `backup_dir` holds checkpoints that "
+            r"tfscale.callbacks.BackupAndRestore did not write .*"
+            rf"Received: backup_dir='{tmp_path}'")):
+        run(str(tmp_path), False)

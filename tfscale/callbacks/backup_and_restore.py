@@ -1,0 +1,168 @@
+"""`BackupAndRestore`: Keras's callback of that name, safe with N workers and
+resuming at the saved step."""
+
+import os
+import shutil
+
+import keras
+
+from tfscale import _tf_private
+from tfscale import checkpoint
+from tfscale.callbacks.sync_batch_norm_statistics import batch_norm_synchronizer
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """`keras.callbacks.BackupAndRestore` for `tfscale.Strategy`: same
+    arguments, one backup for all workers, and a resume at the saved step.
+
+    At the start of `fit`, every worker restores the newest backup in
+    `backup_dir` (weights, BatchNorm statistics, optimizer state and
+    Dropout's random state, with `tfscale.checkpoint`) and the fit continues
+    at the epoch and batch it was saved at. The batches the interrupted run
+    had already trained on are read from the input and left out, so with an
+    input that yields the same batches each time it is iterated from the
+    start, the resumed fit ends with the same weights, bit for bit, as one
+    never interrupted: a seeded `shuffle(...).repeat()` with
+    `steps_per_epoch` (TensorFlow's tutorial), or, for a dataset Keras
+    iterates anew each epoch, `shuffle(..., reshuffle_each_iteration=False)`. Keras's own callback
+    restarts the saved epoch from its first batch, and with two or more
+    workers every worker writes the same file.
+
+    Every worker must use it (BatchNorm statistics are averaged across
+    workers before each backup, a collective); only the chief writes,
+    atomically. A backup is written when the first step after its batch or
+    epoch end starts, where the input's position is known: after the last
+    epoch nothing is written unless `delete_checkpoint=False`.
+
+    Under `fit`, the logged metrics of the epoch a run resumes in average
+    only the batches trained after the resume.
+
+    Args:
+        backup_dir: where backups go; on a cluster, storage every worker can
+            read. Used by this callback alone.
+        save_freq: `"epoch"`: back up at the end of every epoch; an integer
+            `n`: every `n` batches (steps).
+        delete_checkpoint: delete `backup_dir` when `fit` ends (a fit that
+            ends because of an error keeps it).
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError(
+                "Argument `backup_dir` must be a directory path. "
+                f"Received: backup_dir={backup_dir!r}"
+            )
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int)
+            or save_freq < 1
+        ):
+            raise ValueError(
+                "Argument `save_freq` must be 'epoch' or an integer >= 1 "
+                f"(batches between backups). Received: save_freq={save_freq!r}"
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self._original_train_function = None
+
+    def _strategy(self):
+        return self.model.distribute_strategy
+
+    def _is_chief(self):
+        return getattr(self._strategy(), "is_chief", True)
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        if model.optimizer is None:
+            raise ValueError(
+                "tfscale.callbacks.BackupAndRestore needs a compiled model: "
+                "call `model.compile(...)` before `fit`.")
+        self._sync = None
+        self._epoch = 0  # the epoch under way
+        self._batch = 0  # calls of the train function made in this epoch
+        self._due = False
+        self._iterator = None
+        self._position = 0  # batches read from `_iterator`
+        self._skip_batches = 0  # calls of the resumed epoch left out
+        self._skip_reads = 0  # batches to read from the first iterator
+        saved = checkpoint.state(self.backup_dir)
+        if saved is not None and "position" not in saved:
+            raise ValueError(
+                f"Argument `backup_dir` holds checkpoints that "
+                "tfscale.callbacks.BackupAndRestore did not write (they do not "
+                "say where in the input to resume); give it a directory of its "
+                f"own. Received: backup_dir={self.backup_dir!r}")
+        with self._strategy().scope():
+            step = checkpoint.restore(model, self.backup_dir)
+        self._last_saved = step
+        if saved is not None:
+            self._epoch = saved["epoch"]
+            self._skip_batches = saved["batch"]
+            self._skip_reads = self._position = saved["position"]
+            _tf_private.set_initial_epoch(model, saved["epoch"])
+        self._original_train_function = model.train_function
+        model.train_function = self._train_function
+
+    def _train_function(self, iterator):
+        if iterator is not self._iterator:
+            if self._skip_reads:
+                # The interrupted run had read these batches from an iterator
+                # that started where this one starts: read past them.
+                for _ in range(self._skip_reads):
+                    next(iterator)
+                self._skip_reads = 0
+            else:
+                self._position = self._batch * self.model.steps_per_execution
+            self._iterator = iterator
+        if self._batch < self._skip_batches:
+            self._batch += 1
+            return {}
+        if self._due:
+            self._save()
+        logs = self._original_train_function(iterator)
+        self._batch += 1
+        self._position += self.model.steps_per_execution
+        return logs
+
+    def _save(self):
+        self._due = False
+        step = checkpoint.step(self.model)
+        if step == self._last_saved:
+            return
+        if self._sync is None:
+            self._sync = batch_norm_synchronizer(self.model, self._strategy())
+        self._sync()
+        if self._is_chief():
+            checkpoint.save(self.model, self.backup_dir, step, extra={
+                "epoch": self._epoch, "batch": self._batch,
+                "position": self._position})
+        self._last_saved = step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._epoch:
+            self._skip_batches = 0
+        self._epoch = epoch
+        self._batch = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq != "epoch" and (
+            checkpoint.step(self.model) - self._last_saved >= self.save_freq
+        ):
+            self._due = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._due = True
+
+    def on_train_end(self, logs=None):
+        model = self.model
+        model.train_function = self._original_train_function
+        _tf_private.set_initial_epoch(model, None)
+        if self.delete_checkpoint:
+            if self._is_chief():
+                shutil.rmtree(self.backup_dir, ignore_errors=True)
+            return
+        self._epoch += 1 if self._batch else 0
+        self._batch = self._position = 0
+        self._save()

@@ -1,0 +1,101 @@
+"""Keras's own file-writing callbacks under a multi-worker tfscale strategy.
+
+Every worker runs the same script, so every worker's `fit` holds the same
+callbacks writing to the same paths. At the start of each `fit` under a
+strategy with two or more workers (before the callbacks see the model):
+
+- `keras.callbacks.BackupAndRestore` is refused on every worker, naming
+  `tfscale.callbacks.BackupAndRestore`: its workers would all write the same
+  `latest.weights.h5` (h5py refuses the lock and the fit dies), and its
+  resume restarts the saved epoch from its first batch.
+- `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write as usual on the
+  chief; on the other workers they write into a temporary directory, deleted
+  when `fit` ends, as TensorFlow's Keras 2 multi-worker code did. They need
+  nothing from the other workers: the logs they see are averaged over all
+  workers already.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import keras
+
+from tfscale import _tf_private
+
+# callback class -> the attribute holding the path it writes to
+_REDIRECTED = {
+    keras.callbacks.ModelCheckpoint: "filepath",
+    keras.callbacks.TensorBoard: "log_dir",
+    keras.callbacks.CSVLogger: "filename",
+}
+# id(callback) -> (callback, attribute, user's path) of each redirected one
+_redirected = {}
+_temporary_dirs = []
+
+
+def install():
+    """Applies this module's rules to every later `fit` (once per process)."""
+    _tf_private.add_fit_hooks(_on_set_model, _on_train_end)
+
+
+def _multi_worker_strategy(model):
+    from tfscale.strategy import KerasMultiWorkerMirroredStrategy
+
+    strategy = getattr(model, "distribute_strategy", None)
+    if isinstance(strategy, KerasMultiWorkerMirroredStrategy) and strategy.num_workers > 1:
+        return strategy
+    return None
+
+
+def _on_set_model(callback_list, model):
+    strategy = _multi_worker_strategy(model)
+    if strategy is None:
+        return
+    for callback in callback_list.callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise ValueError(
+                "keras.callbacks.BackupAndRestore cannot back up a fit with "
+                f"{strategy.num_workers} workers: every worker writes the same "
+                "file. Use tfscale.callbacks.BackupAndRestore(backup_dir, "
+                "save_freq=..., delete_checkpoint=...) instead (the same "
+                "arguments; only the chief writes, and a resume continues at the "
+                "saved step). Received: callbacks=[..., "
+                f"keras.callbacks.BackupAndRestore(backup_dir={callback.backup_dir!r}), ...]"
+            )
+    if strategy.is_chief:
+        return
+    for callback in callback_list.callbacks:
+        for cls, attribute in _REDIRECTED.items():
+            if isinstance(callback, cls) and id(callback) not in _redirected:
+                _redirect(callback, attribute)
+
+
+def _redirect(callback, attribute):
+    directory = tempfile.mkdtemp(prefix="tfscale-worker-")
+    _temporary_dirs.append(directory)
+    path = getattr(callback, attribute)
+    # The whole path below the temporary directory: formats such as
+    # "{epoch}" in any part of it keep working.
+    redirected = os.path.join(directory, path.lstrip(os.sep))
+    # Its parent exists, as the user's does where the chief writes
+    # (CSVLogger does not create it).
+    os.makedirs(os.path.dirname(redirected), exist_ok=True)
+    setattr(callback, attribute, redirected)
+    _redirected[id(callback)] = (callback, attribute, path)
+
+
+def _on_train_end(callback_list):
+    del callback_list
+    for callback, attribute, path in _redirected.values():
+        setattr(callback, attribute, path)
+    _redirected.clear()
+    _remove_temporary_dirs()
+
+
+@atexit.register
+def _remove_temporary_dirs():
+    """Removes the non-chief workers' files (also after a failed fit)."""
+    while _temporary_dirs:
+        shutil.rmtree(_temporary_dirs.pop(), ignore_errors=True)
