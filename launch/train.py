@@ -350,10 +350,12 @@ def describe_failure(error):
         return str(error)
     if isinstance(error, tf.errors.OpError):
         # Collective errors name the peer's task where gRPC knows it.
-        own = str(json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index"))
-        peers = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:(\d+)", str(error)))
+        task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+        own = (task.get("type"), str(task.get("index")))
+        peers = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error)))
                        - {own})
-        who = f"worker {', '.join(peers)}" if peers else "a peer worker"
+        who = (", ".join(f"{job} {index}" for job, index in peers)
+               if peers else "a peer worker")
         return (
             f"Lost contact with {who} ({type(error).__name__}: "
             f"{_collective_cause(str(error))}). A worker died, hung or became "

@@ -301,12 +301,21 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
 
     @property
     def worker_index(self):
-        """This worker's index in TF_CONFIG's worker list (0 alone)."""
-        return self.cluster_resolver.task_id or 0
+        """This worker's rank among the training tasks, chief first (0 alone).
+
+        As TensorFlow numbers replicas: with a `chief` job in TF_CONFIG (as
+        Kubeflow's TFJob writes it) the chief is 0 and `worker` i is i + 1;
+        without one, `worker` i is i.
+        """
+        resolver = self.cluster_resolver
+        return collectives.topology.rank_in_cluster(
+            _tf_private.cluster_spec_dict(self), resolver.task_type,
+            resolver.task_id or 0)
 
     @property
     def is_chief(self):
-        """Whether this worker logs, checkpoints and exports (worker 0)."""
+        """Whether this worker logs, checkpoints and exports: the `chief` task
+        when TF_CONFIG has one, else worker 0 (TensorFlow's definition)."""
         return self.worker_index == 0
 
     def reduce(self, reduce_op, value, axis=None):
@@ -395,12 +404,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         """Routes dense all-reduces through tfscale's fused collectives."""
         communication = self.communication
         cluster_spec = _tf_private.cluster_spec_dict(self)
-        resolver = self.cluster_resolver
         self._topology = collectives.topology.from_cluster_spec(
-            cluster_spec,
-            rank=collectives.topology.rank_in_cluster(
-                cluster_spec, resolver.task_type, resolver.task_id or 0
-            ),
+            cluster_spec, rank=self.worker_index,
             local_size=communication.local_size,
         )
         if self._topology.num_workers != self.num_replicas_in_sync:
