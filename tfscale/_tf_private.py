@@ -204,12 +204,6 @@ class _LoopSafeCollectiveAllReduce(tf_cross_device_ops.CollectiveAllReduce):
         ]
 
 
-def install_loop_safe_cross_device_ops(strategy):
-    """Gives a stock MWMS `_LoopSafeCollectiveAllReduce` (same group key)."""
-    strategy.extended._cross_device_ops = _LoopSafeCollectiveAllReduce(
-        **_stock_args(strategy))
-
-
 def loop_instance_keys(strategy):
     """Instance keys fixed at trace time (collectives in Keras's loop)."""
     return list(strategy.extended._cross_device_ops.loop_instance_keys)
@@ -448,17 +442,21 @@ class _TimedCollectiveAllReduce(_LoopSafeCollectiveAllReduce):
         )
 
 
-def time_stock_all_reduces(strategy, exposed_communication_seconds):
-    """Makes a stock MWMS add its all-reduces' exposed time to a variable.
+def install_stock_cross_device_ops(strategy, exposed_communication_seconds=None):
+    """Gives a stock MWMS its own all-reduce, loop-safe (same group key).
 
     Its algorithm is unchanged (TensorFlow's own collectives, packed as its
-    `CommunicationOptions` say); only the timestamps of
-    `tfscale.collectives.timed_all_reduce` are added, so benchmarks measure
-    stock and tfscale alike.
+    `CommunicationOptions` say). Given a float64 variable, each all-reduce
+    adds its exposed time to it with the timestamps of
+    `tfscale.collectives.timed_all_reduce`, so benchmarks measure stock and
+    tfscale alike.
     """
-    strategy.extended._cross_device_ops = _TimedCollectiveAllReduce(
-        exposed_communication_seconds, **_stock_args(strategy)
-    )
+    if exposed_communication_seconds is None:
+        ops = _LoopSafeCollectiveAllReduce(**_stock_args(strategy))
+    else:
+        ops = _TimedCollectiveAllReduce(
+            exposed_communication_seconds, **_stock_args(strategy))
+    strategy.extended._cross_device_ops = ops
 
 
 def cluster_spec_dict(strategy):

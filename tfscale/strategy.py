@@ -261,11 +261,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         Either way their collectives also work inside Keras's
         `steps_per_execution` loop (see `loop_instance_keys`).
         """
-        if self._exposed_communication_seconds is not None:
-            _tf_private.time_stock_all_reduces(
-                self, self._exposed_communication_seconds)
-        else:
-            _tf_private.install_loop_safe_cross_device_ops(self)
+        _tf_private.install_stock_cross_device_ops(
+            self, self._exposed_communication_seconds)
 
     @property
     def loop_instance_keys(self):

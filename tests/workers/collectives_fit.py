@@ -16,6 +16,7 @@ from absl import flags
 import keras
 import tfscale
 from report import report
+from sharded_data import round_robin
 
 flags.DEFINE_integer("local_size", 2, "Workers per node.")
 flags.DEFINE_list("configs", ["ring", "hierarchical", "2d", "hybrid"],
@@ -35,10 +36,7 @@ def dataset_fn(input_context):
     rng = np.random.default_rng(7)
     x = rng.normal(size=(96, 8)).astype("float32")
     y = rng.integers(0, 4, 96).astype("int64")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
-                    drop_remainder=True)
+    return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
 def options(config):

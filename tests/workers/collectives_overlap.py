@@ -25,6 +25,7 @@ from absl import app
 import keras
 import tfscale
 from report import report
+from sharded_data import round_robin
 from tfscale.collectives import all_reduce as all_reduce_lib
 
 LAYERS, WIDTH, GLOBAL_BATCH, STEPS = 8, 1024, 2048, 8
@@ -34,10 +35,7 @@ def dataset_fn(input_context):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, WIDTH)).astype("float32")
     y = rng.integers(0, 10, 4096)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
-                    drop_remainder=True)
+    return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
 class FirstBucketClock:

@@ -16,6 +16,7 @@ from absl import flags
 import keras
 import tfscale
 from report import report
+from sharded_data import round_robin
 
 flags.DEFINE_float("delay", 1.0, "Seconds worker 1 sleeps in each forward pass.")
 flags.DEFINE_string("algorithm", "ring", "tfscale.CommunicationOptions algorithm.")
@@ -40,27 +41,11 @@ class HoldBack(keras.layers.Layer):
         return x + tf.stop_gradient(tf.reshape(slept, tf.shape(x)))
 
 
-class PerStep(keras.callbacks.Callback):
-    def __init__(self, total):
-        super().__init__()
-        self.total = total
-        self.seconds = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.before = self.total.numpy()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(float(self.total.numpy() - self.before))
-
-
 def dataset_fn(input_context):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype("float32")
     y = rng.integers(0, 4, 64)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
-                    drop_remainder=True)
+    return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
 def main(argv):
@@ -74,10 +59,11 @@ def main(argv):
         model.compile(
             optimizer=keras.optimizers.SGD(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    per_step = PerStep(strategy.exposed_communication_seconds)
+    per_step = tfscale.callbacks.StepTimer(strategy)
     model.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1,
               steps_per_epoch=STEPS, verbose=0, callbacks=[per_step])
-    report({"worker_index": strategy.worker_index, "seconds": per_step.seconds})
+    report({"worker_index": strategy.worker_index,
+            "seconds": per_step.exposed_communication_seconds})
 
 
 if __name__ == "__main__":

@@ -9,11 +9,11 @@
 """
 
 import numpy as np
-import tensorflow as tf
 
 import keras
 import tfscale
 from report import report
+from sharded_data import round_robin
 from tfscale.strategy import KerasMultiWorkerMirroredStrategy
 
 GLOBAL_BATCH = 8
@@ -23,10 +23,7 @@ def dataset_fn(input_context):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(64, 5)).astype("float32")
     y = rng.integers(0, 3, 64).astype("int64")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat()
-    ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-    return ds.batch(input_context.get_per_replica_batch_size(GLOBAL_BATCH),
-                    drop_remainder=True)
+    return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
 def train(strategy, units):

@@ -8,7 +8,8 @@ import keras
 
 from tfscale import _tf_private
 from tfscale import checkpoint
-from tfscale.callbacks.sync_batch_norm_statistics import batch_norm_synchronizer
+from tfscale._validation import is_int
+from tfscale.callbacks.chief_backup import ChiefBackup
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -53,10 +54,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Argument `backup_dir` must be a directory path. "
                 f"Received: backup_dir={backup_dir!r}"
             )
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool) or not isinstance(save_freq, int)
-            or save_freq < 1
-        ):
+        if save_freq != "epoch" and (not is_int(save_freq) or save_freq < 1):
             raise ValueError(
                 "Argument `save_freq` must be 'epoch' or an integer >= 1 "
                 f"(batches between backups). Received: save_freq={save_freq!r}"
@@ -78,7 +76,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 "tfscale.callbacks.BackupAndRestore needs a compiled model: "
                 "call `model.compile(...)` before `fit`.")
-        self._sync = None
         self._epoch = 0  # the epoch under way
         self._batch = 0  # calls of the train function made in this epoch
         self._due = False
@@ -95,7 +92,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"own. Received: backup_dir={self.backup_dir!r}")
         with self._strategy().scope():
             step = checkpoint.restore(model, self.backup_dir)
-        self._last_saved = step
+        self._backup = ChiefBackup(
+            model, self._strategy(), self.backup_dir, last_saved=step)
         if saved is not None:
             self._epoch = saved["epoch"]
             self._skip_batches = saved["batch"]
@@ -127,17 +125,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self):
         self._due = False
-        step = checkpoint.step(self.model)
-        if step == self._last_saved:
-            return
-        if self._sync is None:
-            self._sync = batch_norm_synchronizer(self.model, self._strategy())
-        self._sync()
-        if self._is_chief():
-            checkpoint.save(self.model, self.backup_dir, step, extra={
-                "epoch": self._epoch, "batch": self._batch,
-                "position": self._position})
-        self._last_saved = step
+        self._backup.save(extra={
+            "epoch": self._epoch, "batch": self._batch, "position": self._position})
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._epoch:
@@ -147,7 +136,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq != "epoch" and (
-            checkpoint.step(self.model) - self._last_saved >= self.save_freq
+            checkpoint.step(self.model) - self._backup.last_saved >= self.save_freq
         ):
             self._due = True
 

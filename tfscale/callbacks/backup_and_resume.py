@@ -3,7 +3,7 @@
 import keras
 
 from tfscale import checkpoint
-from tfscale.callbacks.sync_batch_norm_statistics import batch_norm_synchronizer
+from tfscale.callbacks.chief_backup import ChiefBackup
 
 
 class BackupAndResume(keras.callbacks.Callback):
@@ -24,19 +24,12 @@ class BackupAndResume(keras.callbacks.Callback):
         self.directory = directory
         self.strategy = strategy
         self.save_steps = save_steps
-        self._sync = None
-        self._last_saved = None
+        self._backup = None
 
     def _save(self):
-        step = checkpoint.step(self.model)
-        if step == self._last_saved:
-            return
-        if self._sync is None:
-            self._sync = batch_norm_synchronizer(self.model, self.strategy)
-        self._sync()
-        if self.strategy.is_chief:
-            checkpoint.save(self.model, self.directory, step)
-        self._last_saved = step
+        if self._backup is None:  # kept across fits: one model, one graph
+            self._backup = ChiefBackup(self.model, self.strategy, self.directory)
+        self._backup.save()
 
     def on_train_batch_end(self, batch, logs=None):
         if checkpoint.step(self.model) % self.save_steps == 0:
