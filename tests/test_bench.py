@@ -72,19 +72,26 @@ def test_project_fits_the_measurements_and_projects_the_paper_hardware(allreduce
         (m, g) for m in ("resnet50", "alexnet_bn") for g in (8, 16)}
     resnet = [r for r in result["projection"] if r["model"] == "resnet50"]
     assert resnet[0]["params"] == 25_557_032
-    assert all(0 < r["e_hybrid"] < 1 for r in resnet)
+    assert all(0 < r["e_hybrid"] < 1 and 0 < r["e_halving_doubling"] < 1 for r in resnet)
+    # PowerSGD rank 4 sends ResNet-50's 102 MB as ~1.5 MB: far less time.
+    assert all(0 < r["t_powersgd"] < r["t_hybrid"] / 10 for r in resnet)
     assert "predicted (ms)" in stdout and "NOT FOUND" in stdout
+    assert "h-d (ms)" in stdout and "PowerSGD r4 (ms)" in stdout
 
 
 def test_train_reports_throughput_efficiency_and_exposed_communication(tmp_path):
     output = tmp_path / "train.json"
-    bench(tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
-          "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
-          "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,ring",
-          f"--output={output}")
+    stdout = bench(
+        tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
+        "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
+        "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,ring",
+        "--compression=powersgd", "--powersgd_rank=2", f"--output={output}")
     stock, row = json.loads(output.read_text())
     assert stock["config"] == "stock" and 0 < stock["exposed_communication_seconds"]
-    assert row["config"] == "ring" and row["precision"] == "float32"
+    assert row["config"] == "ring+powersgd" and row["precision"] == "float32"
+    assert row["powersgd_rank"] == 2 and row["powersgd_start_step"] == 0
+    # The workers built PowerSGD at rank 2 (the plan log lists the factors).
+    assert "tfscale PowerSGD, rank 2," in stdout
     assert row["step_minus_compute_seconds"] == pytest.approx(
         row["step_seconds"] - row["compute_seconds"])
     # Measured inside the step, for stock and tfscale alike: part of the step.
@@ -117,6 +124,14 @@ def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
     assert process.returncode == 1
     assert "tfscale-bench allreduce: --algorithms: 'ringg' is unknown" in process.stderr
     assert "Traceback" not in process.stderr
+    # PowerSGD compresses whole gradients in training, not single buffers.
+    process = subprocess.run(
+        [sys.executable, "-m", "launch.bench", "allreduce", "--compression=powersgd"],
+        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, timeout=120)
+    assert process.returncode == 1 and "Traceback" not in process.stderr
+    assert ("--compression values must be none or one of bfloat16, float16. "
+            "Received: --compression=powersgd") in process.stderr
 
 
 def test_gpucheck_without_gpus_says_so_in_one_line_and_starts_no_worker(tmp_path):

@@ -128,10 +128,10 @@ def test_one_node_degrades_the_hierarchical_algorithms_to_ring():
 
 
 def test_hybrid_without_a_threshold_takes_the_fastest_prediction():
-    # The model fitted on the emulated 2 x 2 cluster (docs/bench): the ring
+    # The model once fitted on the emulated 2 x 2 cluster (tests/data): the ring
     # wins the smallest buffers, halving-doubling the middle, hierarchical
     # the largest.
-    with open(os.path.join(REPO_ROOT, "docs", "bench", "cost_model_fit_emulated.json")) as f:
+    with open(os.path.join(REPO_ROOT, "tests", "data", "cost_model_fit_emulated_2x2.json")) as f:
         fitted = cost_model.CostModel.from_config(json.load(f)["cost_model"])
     even = cost_model.CostModel(intra=cost_model.Link(1e-4, 1e-9),
                                 inter=cost_model.Link(1e-4, 1e-9))
@@ -295,7 +295,7 @@ def test_hybrid_under_a_fitted_cost_model_follows_its_prediction(all_reduce_runs
     # CommunicationOptions(algorithm="hybrid", cost_model=fitted) -> Strategy:
     # the 32 MiB bucket goes by whichever the fitted model predicts faster
     # (hierarchical, though that model's ring/hierarchical threshold is 0).
-    with open(os.path.join(REPO_ROOT, "docs", "bench", "cost_model_fit_emulated.json")) as f:
+    with open(os.path.join(REPO_ROOT, "tests", "data", "cost_model_fit_emulated_2x2.json")) as f:
         fitted = cost_model.CostModel.from_config(json.load(f)["cost_model"])
     size = 32 << 20
     hierarchical = fitted.predict("hierarchical", size, (2, 2))

@@ -38,8 +38,8 @@ def define_flags():
     flags.DEFINE_list(
         "compression", [NO_COMPRESSION],
         "Wire formats for the tfscale algorithms: "
-        f"{', '.join((NO_COMPRESSION, *collectives.COMPRESSIONS))}; each "
-        "algorithm runs with each.")
+        f"{', '.join((NO_COMPRESSION, *collectives.COMPRESSIONS))} (train "
+        f"also {collectives.powersgd.NAME}); each algorithm runs with each.")
     flags.DEFINE_integer(
         "local_size", None,
         "Workers per node for tfscale's topology; unset: by host (one node on "
@@ -50,8 +50,13 @@ def define_flags():
                        "Seconds a tfscale collective may wait.")
 
 
-def configs():
+def configs(more_compressions=()):
     """The configurations --algorithms and --compression ask for.
+
+    Args:
+        more_compressions: compressions this subcommand takes besides the
+            wire formats (train: PowerSGD, which compresses whole gradients,
+            not single buffers).
 
     Returns:
         `[(name, algorithm, compression)]`: stock first (if asked for; it has
@@ -71,11 +76,12 @@ def configs():
             raise ValueError(f"--algorithms: {name!r} is unknown; choose from "
                              f"{', '.join(allowed)}. Received: --algorithms={name}")
     compressions = []
+    known = (*collectives.COMPRESSIONS, *more_compressions)
     for value in FLAGS.compression:
-        if value not in (NO_COMPRESSION, *collectives.COMPRESSIONS):
+        if value not in (NO_COMPRESSION, *known):
             raise ValueError(
                 f"--compression values must be {NO_COMPRESSION} or one of "
-                f"{', '.join(collectives.COMPRESSIONS)}. Received: --compression={value}")
+                f"{', '.join(known)}. Received: --compression={value}")
         compressions.append(None if value == NO_COMPRESSION else value)
     out = [(STOCK, STOCK, None)] if STOCK in FLAGS.algorithms else []
     for compression in compressions:

@@ -14,6 +14,13 @@ threshold and chunk counts from the cost model) over the model's real
 gradient shapes, and each bucket's time predicted by the cost model. Compute
 and communication are assumed not to overlap (a conservative bound on the
 step time), so scaling efficiency e = t_compute / (t_compute + t_allreduce).
+
+PowerSGD at rank r (`--powersgd_rank`) is predicted as tfscale runs it: the
+tensors it leaves uncompressed fused and all-reduced by hybrid, then one
+buffer of every P, then one of every Q (`tfscale.collectives.powersgd.plan`
+decides which gradients are compressed), one after the other. The time to
+compute the factors (matrix products and Gram-Schmidt on the GPU) is not in
+the model: optimistic.
 """
 
 import dataclasses
@@ -39,6 +46,9 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC2012 train split (tfds imagenet2012)
 FLAGS = flags.FLAGS
 # The algorithms the alpha-beta model predicts (hybrid picks among them).
 _MODELLED = tuple(BUFFER_ALGORITHMS)
+# The projection's columns: t_<key> and e_<key> of each row.
+_PROJECTED = ("ring", "hierarchical", "halving_doubling", "hybrid", "hybrid_16bit",
+              "powersgd")
 
 
 def define_flags():
@@ -51,6 +61,8 @@ def define_flags():
     flags.DEFINE_string("output", None, "Write the fit and the projection as JSON here.")
     flags.DEFINE_list("gpus", ["8", "16", "32", "64", "128", "256", "512", "1024", "2048"],
                       "GPU counts to project to.")
+    flags.DEFINE_integer("powersgd_rank", 4, "Rank of the PowerSGD columns.",
+                         lower_bound=1)
     flags.DEFINE_float("alpha_scale", 1.0, "Multiply the paper hardware's "
                        "latencies by this (sensitivity check).", lower_bound=0)
 
@@ -199,7 +211,21 @@ def step_allreduce_seconds(shapes, model, node_sizes, algorithm, fusion_bytes, w
                for b in buckets)
 
 
-def project(model, gradient_shapes, gpu_counts, assumptions):
+def powersgd_allreduce_seconds(shapes, model, node_sizes, fusion_bytes, rank):
+    """Predicted seconds of PowerSGD's three all-reduces (the uncompressed
+    tensors, all Ps, all Qs), each by hybrid, without computing the factors."""
+    from tfscale.collectives import powersgd
+
+    matrices = powersgd.plan(shapes, ["float32"] * len(shapes), rank)
+    compressed = {m.index for m in matrices}
+    rest = [s for i, s in enumerate(shapes) if i not in compressed]
+    p_values = sum(m.rows * m.rank for m in matrices)
+    q_values = sum(m.cols * m.rank for m in matrices)
+    return sum(step_allreduce_seconds(group, model, node_sizes, "hybrid", fusion_bytes)
+               for group in (rest, [[p_values]], [[q_values]]) if group)
+
+
+def project(model, gradient_shapes, gpu_counts, assumptions, powersgd_rank=4):
     """Projected rows for each model name in `gradient_shapes` and GPU count."""
     values = {a.name: a.value for a in assumptions}
     per_node = values["GPUs per node"]
@@ -213,7 +239,7 @@ def project(model, gradient_shapes, gpu_counts, assumptions):
             row = {"model": name, "gpus": gpus, "nodes": len(node_sizes),
                    "params": sum(math.prod(s) for s in shapes),
                    "t_compute": compute.get(name)}
-            for algorithm in ("ring", "hierarchical", "hybrid"):
+            for algorithm in ("ring", "hierarchical", "halving_doubling", "hybrid"):
                 row[f"t_{algorithm}"] = step_allreduce_seconds(
                     shapes, model, node_sizes, algorithm, fusion)
             # One ring all-reduce per tensor, no fusion.
@@ -221,7 +247,10 @@ def project(model, gradient_shapes, gpu_counts, assumptions):
                 shapes, model, node_sizes, "ring", 0)
             row["t_hybrid_16bit"] = step_allreduce_seconds(
                 shapes, model, node_sizes, "hybrid", fusion, wire_bytes_per_value=2)
-            for key in ("ring", "hierarchical", "hybrid", "hybrid_16bit"):
+            row["powersgd_rank"] = powersgd_rank
+            row["t_powersgd"] = powersgd_allreduce_seconds(
+                shapes, model, node_sizes, fusion, powersgd_rank)
+            for key in _PROJECTED:
                 t_c = row["t_compute"]
                 row[f"e_{key}"] = t_c / (t_c + row[f"t_{key}"]) if t_c else None
             rows.append(row)
@@ -229,17 +258,17 @@ def project(model, gradient_shapes, gpu_counts, assumptions):
 
 
 def projection_table(rows):
+    rank = rows[0]["powersgd_rank"]
     lines = []
     for r in rows:
         lines.append([r["gpus"], r["nodes"], r["t_ring_unfused"] * 1e3,
-                      r["t_ring"] * 1e3, r["t_hierarchical"] * 1e3,
-                      r["t_hybrid"] * 1e3, r["t_hybrid_16bit"] * 1e3,
+                      *(r[f"t_{key}"] * 1e3 for key in _PROJECTED),
                       r["t_ring_unfused"] / r["t_hybrid"],
-                      r["e_ring"], r["e_hierarchical"], r["e_hybrid"], r["e_hybrid_16bit"]])
+                      *(r[f"e_{key}"] for key in _PROJECTED)])
+    names = ["ring", "hier.", "h-d", "hybrid", "hybrid 16b", f"PowerSGD r{rank}"]
     return stats.format_table(
-        ["GPUs", "nodes", "ring unfused (ms)", "ring (ms)", "hier. (ms)", "hybrid (ms)",
-         "hybrid 16b (ms)",
-         "unfused/hybrid", "e ring", "e hier.", "e hybrid", "e hybrid 16b"], lines)
+        ["GPUs", "nodes", "ring unfused (ms)", *(f"{n} (ms)" for n in names),
+         "unfused/hybrid", *(f"e {n}" for n in names)], lines)
 
 
 def main():
@@ -306,7 +335,7 @@ def _project_paper_hardware(gpu_counts, alpha_scale):
         print(f"#   both alphas multiplied by --alpha_scale={alpha_scale:g} (sensitivity check)")
     print(f"# cost model: {describe_model(paper_model)}")
     shapes = {name: gradients.shapes(name) for name in ("resnet50", "alexnet_bn")}
-    rows = project(paper_model, shapes, gpu_counts, assumptions)
+    rows = project(paper_model, shapes, gpu_counts, assumptions, FLAGS.powersgd_rank)
     reported = paper_reported()
     for name in shapes:
         model_rows = [r for r in rows if r["model"] == name]
@@ -314,7 +343,9 @@ def _project_paper_hardware(gpu_counts, alpha_scale):
               f"({4 * model_rows[0]['params'] / 1e6:.1f} MB), "
               f"{len(shapes[name])} tensors; all-reduce time per step, scaling "
               "efficiency e = t_compute / (t_compute + t_allreduce); ring unfused = one "
-              "ring all-reduce per tensor; the others fuse into 32 MiB buffers"
+              "ring all-reduce per tensor; the others fuse into 32 MiB buffers; h-d = "
+              f"halving-doubling; PowerSGD r{FLAGS.powersgd_rank} = its uncompressed "
+              "tensors, Ps and Qs by hybrid (computing the factors not counted)"
               + ("" if model_rows[0]["t_compute"] else " (not computed: no single-GPU throughput)"))
         if model_rows[0]["t_compute"]:
             print(f"# t_compute = {model_rows[0]['t_compute'] * 1e3:.1f} ms per step per GPU")

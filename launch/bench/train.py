@@ -59,6 +59,11 @@ def define_flags():
                          "building).", lower_bound=1)
     flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
                       "Keras global dtype policies to compare.")
+    flags.DEFINE_integer("powersgd_rank", 4, "--compression=powersgd: rank of "
+                         "the factors.", lower_bound=1)
+    flags.DEFINE_integer(
+        "powersgd_start_step", 0, "--compression=powersgd: updates all-reduced "
+        "uncompressed first (0: every timed step is compressed).", lower_bound=0)
     flags.DEFINE_string("output", None, "Write the rows as JSON here.")
     flags.DEFINE_bool("plot", False, "With --output: also write a PNG of "
                       "images/s per configuration next to it.")
@@ -137,7 +142,9 @@ def table(rows):
 
 def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
-    configs = cluster.configs()
+    from tfscale import collectives
+
+    configs = cluster.configs(more_compressions=(collectives.powersgd.NAME,))
     spec = {
         "command": "train", "model": FLAGS.model,
         "image_size": FLAGS.image_size, "fc_units": FLAGS.fc_units,
@@ -146,6 +153,8 @@ def main():
         "precisions": FLAGS.precisions, "local_size": FLAGS.local_size,
         "fusion_threshold_bytes": FLAGS.fusion_threshold_bytes,
         "collective_timeout": FLAGS.collective_timeout,
+        "powersgd_rank": FLAGS.powersgd_rank,
+        "powersgd_start_step": FLAGS.powersgd_start_step,
     }
     work_dir = tempfile.mkdtemp(prefix="tfscale-bench-train-")
     try:
@@ -162,6 +171,9 @@ def main():
     rows = summarize(single, launches, FLAGS.num_workers, FLAGS.per_worker_batch)
     ctx = cluster.context()
     for row in rows:
+        if row["config"].endswith("+" + collectives.powersgd.NAME):
+            row.update(powersgd_rank=FLAGS.powersgd_rank,
+                       powersgd_start_step=FLAGS.powersgd_start_step)
         row.update(model=FLAGS.model, image_size=FLAGS.image_size,
                    steps=FLAGS.steps, **{k: ctx[k] for k in (
                        "node_sizes", "local_size", "emulate_nodes", "inter_node_rate")})

@@ -3,7 +3,7 @@
 `spec["kind"]` says what it trains under: `"single"` (alone, no strategy),
 `"stock"` (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`: TF's own
 all-reduce, with only the Keras 3 fix) or `"tfscale"` (`tfscale.Strategy`
-with the spec's algorithm and compression). Both strategies time their
+with the spec's algorithm and compression, PowerSGD's rank and start step). Both strategies time their
 all-reduces the same way (`exposed_communication_seconds`). Under a strategy
 a worker first trains the model alone, while the other workers do the same,
 then under the strategy; train.py turns the step times into rows.
@@ -16,6 +16,7 @@ import keras
 
 import models
 import tfscale
+from tfscale import collectives
 from launch.bench import cluster
 from tfscale import agreement
 from tfscale import callbacks
@@ -56,11 +57,16 @@ def _strategy(spec):
     if spec["kind"] == cluster.STOCK:
         return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
     if spec["kind"] == "tfscale":
+        powersgd = {}
+        if spec["compression"] == collectives.powersgd.NAME:
+            powersgd = {"powersgd_rank": spec["powersgd_rank"],
+                        "powersgd_start_step": spec["powersgd_start_step"]}
         return tfscale.Strategy(communication=tfscale.CommunicationOptions(
             algorithm=spec["algorithm"], compression=spec["compression"],
             local_size=spec["local_size"],
             fusion_threshold_bytes=spec["fusion_threshold_bytes"],
-            timeout_seconds=spec["collective_timeout"], time_all_reduces=True))
+            timeout_seconds=spec["collective_timeout"], time_all_reduces=True,
+            **powersgd))
     return None
 
 

@@ -32,11 +32,23 @@ on the gradient (biases and BatchNorm parameters excluded):
 - `batch_growth_small`: Smith et al. 2017, "Don't Decay the Learning Rate,
   Increase the Batch Size": SGD from `--small_batch` at a constant rate
   (each of `--learning_rates`), the batch multiplied by each factor of
-  `--batch_growth` (`epoch:factor` events; default `10:5,15:5`: 32, 160,
-  800) at its epoch (`Settings.batch_schedule`, `tfscale.batch_schedule`;
-  an epoch keeps its 1,440 examples, in fewer updates).
+  `--batch_growth` (`epoch:factor` events; default `3:5,6:5`: 32, 160,
+  800, early enough that training has not converged yet) at its epoch
+  (`Settings.batch_schedule`, `tfscale.batch_schedule`; an epoch keeps its
+  1,440 examples, in fewer updates).
 - `lr_decay_small`: the decay that growth replaces: the same events divide
   the learning rate instead (`max_global_batch_size` = `--small_batch`).
+- `powersgd_sgd_small`, `powersgd_lars_large`: `sgd_small` at
+  `--powersgd_learning_rate` and `lars_large` at
+  `--powersgd_lars_learning_rate`, their gradients all-reduced by PowerSGD
+  (Vogels, Karimireddy and Jaggi 2019; `tfscale.Strategy` with
+  `CommunicationOptions(compression="powersgd")`) at each rank of
+  `--powersgd_ranks`, uncompressed for the first `--powersgd_start_step`
+  updates, error feedback on. One worker: PowerSGD's sums are linear (P = M Q
+  summed over workers is (sum of M) Q, and the errors kept add up to the
+  sum's error), so one worker with the global batch follows the same
+  compressed trajectory as N workers sharing it. Each is compared with the
+  same run uncompressed.
 
 Each runs under every `--precisions` policy and every seed; the baseline
 every other row is compared with is the best `sgd_small` learning rate, and
@@ -91,6 +103,7 @@ numbers) and `--plot` (test accuracy per epoch, mean over seeds with the
 min-max band; one panel per precision, one for the softmax group).
 """
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -105,7 +118,8 @@ from tfscale import recipes
 
 ALEXNET_SETTINGS = ("sgd_small", "sgd_large", "lars_large",
                     "slow_start_large", "rmsprop_warmup_large",
-                    "lr_decay_small", "batch_growth_small")
+                    "lr_decay_small", "batch_growth_small",
+                    "powersgd_sgd_small", "powersgd_lars_large")
 SOFTMAX_SETTINGS = tuple(f"softmax_{method}_{size}"
                          for method in ("sgd", "lp_sgd", "svrg", "halp")
                          for size in ("small", "large"))
@@ -132,6 +146,7 @@ class Variant:
 
     setting: str
     learning_rate: float
+    powersgd_rank: int = 0  # 0: gradients all-reduced uncompressed
 
     @property
     def large(self):
@@ -145,6 +160,13 @@ class Variant:
     def grows(self):
         """Whether it runs under --batch_growth's events."""
         return self.setting in ("lr_decay_small", "batch_growth_small")
+
+    @property
+    def uncompressed(self):
+        """The same run without PowerSGD (itself when uncompressed)."""
+        setting = {"powersgd_sgd_small": "sgd_small",
+                   "powersgd_lars_large": "lars_large"}.get(self.setting, self.setting)
+        return Variant(setting, self.learning_rate)
 
     @property
     def method(self):
@@ -167,7 +189,7 @@ class Variant:
             weight_decay=FLAGS.weight_decay,
             warmup_epochs=FLAGS.warmup_epochs if self.large else 0.0,
         )
-        if self.setting == "lars_large":
+        if self.uncompressed.setting == "lars_large":
             return recipes.Settings(optimizer="lars",
                                     learning_rate=self.learning_rate, **common)
         # Linear scaling from the small batch (a no-op for the baseline).
@@ -199,6 +221,9 @@ class Variant:
 
     @property
     def label(self):
+        if self.powersgd_rank:
+            return (f"{self.uncompressed.label}, PowerSGD rank "
+                    f"{self.powersgd_rank}")
         scaled = (f"lr {self.learning_rate:g} x {self.batch}/"
                   f"{FLAGS.small_batch}")
         if self.softmax:
@@ -241,10 +266,33 @@ def variants():
                      else FLAGS.softmax_learning_rate]
         elif setting == "lars_large":
             rates = FLAGS.lars_learning_rates
+        elif setting == "powersgd_sgd_small":
+            rates = [FLAGS.powersgd_learning_rate]
+        elif setting == "powersgd_lars_large":
+            rates = [FLAGS.powersgd_lars_learning_rate]
         else:
             rates = FLAGS.learning_rates
-        result += [Variant(setting, float(rate)) for rate in rates]
+        ranks = ([int(r) for r in FLAGS.powersgd_ranks]
+                 if setting.startswith("powersgd_") else [0])
+        result += [Variant(setting, float(rate), rank)
+                   for rate in rates for rank in ranks]
     return result
+
+
+_strategies = {}
+
+
+def powersgd_strategy(rank):
+    """One worker's `tfscale.Strategy` all-reducing by PowerSGD at `rank`
+    (one per rank per process: every run of that rank shares it)."""
+    import tfscale
+
+    if rank not in _strategies:
+        _strategies[rank] = tfscale.Strategy(
+            communication=tfscale.CommunicationOptions(
+                compression="powersgd", powersgd_rank=rank,
+                powersgd_start_step=FLAGS.powersgd_start_step))
+    return _strategies[rank]
 
 
 @dataclasses.dataclass
@@ -351,12 +399,15 @@ def train_alexnet(variant, precision, seed):
     settings = variant.settings(precision)
     recipes.set_precision(settings)
     keras.utils.set_random_seed(seed)
-    model, image_size = build_model()
-    optimizer, _ = recipes.make_optimizer(
-        settings, variant.batch, variant.steps_per_epoch, FLAGS.epochs)
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    strategy = (powersgd_strategy(variant.powersgd_rank)
+                if variant.powersgd_rank else None)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model, image_size = build_model()
+        optimizer, _ = recipes.make_optimizer(
+            settings, variant.batch, variant.steps_per_epoch, FLAGS.epochs)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     images, labels = data.digits_arrays("test")
     images = data.preprocess(images, data.spec("digits"), image_size)
     callback = test_accuracy_callback(model, images, labels)
@@ -578,6 +629,14 @@ def check_flags():
             raise app.UsageError(
                 f"--{name} must be at most {_NUM_TRAIN}, the training set. "
                 f"Received: {name}={getattr(FLAGS, name)}")
+    try:
+        ranks = [int(r) for r in FLAGS.powersgd_ranks]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise app.UsageError(
+            "--powersgd_ranks must be a list of integers >= 1. "
+            f"Received: powersgd_ranks={FLAGS.powersgd_ranks!r}")
     for variant in variants():
         if variant.grows:
             try:
@@ -630,8 +689,13 @@ def alexnet_sentence(variant, gap, recomputed_gap, accuracy, recomputed,
                 f"for the final weights {recomputed_gap:+.2f} ({effect}).")
     if reference:
         description, accuracies = reference
+        difference = mean(accuracy) - mean(accuracies)
         sentence += (f" Against {description} ({mean(accuracies):.2f}%): "
-                     f"{mean(accuracy) - mean(accuracies):+.2f} points.")
+                     f"{difference:+.2f} points")
+        if variant.powersgd_rank:
+            sentence += (", within 1 point of it" if difference >= -1.0 else
+                         f", {-difference - 1.0:.2f} points more than 1 below it")
+        sentence += "."
     return sentence
 
 
@@ -644,6 +708,9 @@ def reference_row(variant, precision, accuracy, runs):
     elif variant.setting == "batch_growth_small":
         other = Variant("lr_decay_small", variant.learning_rate)
         description = "the learning-rate decay it replaces"
+    elif variant.powersgd_rank:
+        other = variant.uncompressed
+        description = "the same run uncompressed"
     else:
         return None
     if (other, precision) not in accuracy:
@@ -832,7 +899,20 @@ def define_flags():
                        "L2 on the gradient, biases and BatchNorm excluded.",
                        lower_bound=0.0)
     flags.DEFINE_float("momentum", 0.9, "Momentum of SGD and LARS.")
-    flags.DEFINE_string("batch_growth", "10:5,15:5",
+    flags.DEFINE_list("powersgd_ranks", ["1", "2", "4"],
+                      "powersgd_* settings: PowerSGD ranks to run.")
+    flags.DEFINE_float("powersgd_learning_rate", 0.05,
+                       "powersgd_sgd_small: SGD learning rate (also in "
+                       "--learning_rates: the uncompressed run to compare).",
+                       lower_bound=0.0)
+    flags.DEFINE_float("powersgd_lars_learning_rate", 3.0,
+                       "powersgd_lars_large: LARS peak learning rate (also in "
+                       "--lars_learning_rates).", lower_bound=0.0)
+    flags.DEFINE_integer("powersgd_start_step", 10,
+                         "powersgd_* settings: updates all-reduced "
+                         "uncompressed before PowerSGD starts (tfscale's "
+                         "default).", lower_bound=0)
+    flags.DEFINE_string("batch_growth", "3:5,6:5",
                         "batch_growth_small: epoch:factor events at which the "
                         "batch grows (lr_decay_small divides the learning "
                         "rate there instead; Smith et al. 2017).")

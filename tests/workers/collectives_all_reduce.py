@@ -34,9 +34,9 @@ FUSION_BYTES = 512
 HYBRID_BYTES = 2048
 # Odd length: chunks and 2d shards need padding.
 BUFFER_LENGTH = 1001
-# The cost model fitted on the emulated 2 x 2 cluster (BENCHMARKS.md).
-FITTED_COST_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
-                                 "bench", "cost_model_fit_emulated.json")
+# A cost model fitted on the emulated 2 x 2 cluster (pinned in tests/data).
+FITTED_COST_MODEL = os.path.join(os.path.dirname(__file__), "..", "data",
+                                 "cost_model_fit_emulated_2x2.json")
 
 
 def integer_tensors(rank):
