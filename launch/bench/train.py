@@ -104,6 +104,9 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
+            powersgd = _run(outputs[0], precision, "distributed", "powersgd")
+            if powersgd:
+                rows[-1]["powersgd"] = powersgd
     for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
         stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
@@ -191,6 +194,14 @@ def main():
           "all-reduce done, median over steps of the least-waiting worker; "
           "in-step vs stock = in-step wait / stock's")
     print(table(rows), flush=True)
+    for row in rows:
+        if "powersgd" in row:
+            p = row["powersgd"]
+            print(f"# {row['config']} {row['precision']}: rank {row['powersgd_rank']}, "
+                  f"{p['compressed_tensors']} tensors compressed; "
+                  f"{p['gradient_bytes'] / 1e6:.1f} MB of gradients sent as "
+                  f"{p['wire_bytes'] / 1e6:.2f} MB per step "
+                  f"({p['gradient_bytes'] / p['wire_bytes']:.1f}x less)")
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
