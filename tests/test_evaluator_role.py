@@ -3,7 +3,7 @@ workers train while the evaluator evaluates their checkpoints.
 
 Three tfscale-train processes (`python -m launch.train`) with the same flags:
 the evaluator, started first (it waits for checkpoints), then worker:0 and
-worker:1, whose TF_CONFIG also names the evaluator. Checkpoints every 4 of 15
+worker:1, whose TF_CONFIG also names the evaluator. Checkpoints every 4 of 10
 steps: the last one is the one written at the end of training.
 """
 
@@ -22,7 +22,7 @@ from multiworker import cluster_tf_configs
 from multiworker import start_process
 from multiworker import worker_env
 
-EPOCHS, STEPS_PER_EPOCH = 3, 5
+EPOCHS, STEPS_PER_EPOCH = 2, 5
 FINAL_STEP = EPOCHS * STEPS_PER_EPOCH
 FC_UNITS = 16
 TRAIN = [sys.executable, "-m", "launch.train", "--fc_units=16", "--global_batch_size=32",

@@ -11,10 +11,11 @@ GLOBAL_BATCH = 16
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One training run each with 1, 2 and 4 workers, same global batch."""
+    """One training run each with 1 and 2 workers, same global batch (4
+    workers: tests/test_collectives.py's fit runs, bitwise alike)."""
     tmp_path = tmp_path_factory.mktemp("strategy")
     runs = {}
-    for num_workers in (1, 2, 4):
+    for num_workers in (1, 2):
         run = run_workers("fit_worker.py", num_workers, tmp_path,
                           args=[f"--global_batch={GLOBAL_BATCH}"])
         assert_succeeded(run)
@@ -26,7 +27,7 @@ def flat(weights):
     return np.concatenate([np.asarray(w, np.float32) for w in weights])
 
 
-@pytest.mark.parametrize("num_workers", [2, 4])
+@pytest.mark.parametrize("num_workers", [2])
 def test_workers_end_with_bitwise_identical_weights(runs, num_workers):
     results = runs[num_workers]
     assert [r["worker_index"] for r in results] == list(range(num_workers))
@@ -36,7 +37,7 @@ def test_workers_end_with_bitwise_identical_weights(runs, num_workers):
                                       flat(results[0]["weights"]))
 
 
-@pytest.mark.parametrize("num_workers", [2, 4])
+@pytest.mark.parametrize("num_workers", [2])
 def test_n_workers_match_one_worker_with_the_same_global_batch(runs, num_workers):
     one = flat(runs[1][0]["weights"])
     many = flat(runs[num_workers][0]["weights"])
@@ -46,7 +47,7 @@ def test_n_workers_match_one_worker_with_the_same_global_batch(runs, num_workers
                                rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_workers", [1, 2, 4])
+@pytest.mark.parametrize("num_workers", [1, 2])
 def test_evaluate_and_predict_agree_with_one_worker(runs, num_workers):
     for result in runs[num_workers]:
         np.testing.assert_allclose(result["evaluation"], runs[1][0]["evaluation"],
@@ -56,7 +57,7 @@ def test_evaluate_and_predict_agree_with_one_worker(runs, num_workers):
         assert len(result["predictions"]) == 96
 
 
-@pytest.mark.parametrize("num_workers", [2, 4])
+@pytest.mark.parametrize("num_workers", [2])
 def test_gradients_are_routed_through_tfscale_cross_device_ops(runs, num_workers):
     # The gradient all-reduce is one batch holding every trainable variable's
     # gradient; if Keras stopped routing it through tfscale's CrossDeviceOps

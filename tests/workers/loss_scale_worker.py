@@ -24,7 +24,8 @@ flags.DEFINE_enum("loss_scale", "tfscale", ["tfscale", "stock", "compile"],
 flags.DEFINE_enum("strategy", "tfscale", ["tfscale", "stock"],
                   "tfscale.Strategy, or stock MWMS with the Keras fit fix.")
 flags.DEFINE_integer("steps", 6, "Training steps.")
-flags.DEFINE_integer("bad_step", 2, "Step (0-based) whose batch is inf on worker 1.")
+flags.DEFINE_integer("bad_step", 2, "Step (0-based) whose batch is inf on worker 1; "
+                     "-1: none.")
 flags.DEFINE_float("collective_timeout", 120, "Collective timeout in seconds.")
 FLAGS = flags.FLAGS
 
@@ -42,7 +43,7 @@ def dataset_fn(input_context):
     rng = np.random.default_rng(10 + worker)
     x = rng.normal(size=(FLAGS.steps, batch, FEATURES)).astype("float32")
     y = rng.integers(0, 3, size=(FLAGS.steps, batch)).astype("int64")
-    if worker == 1:
+    if worker == 1 and FLAGS.bad_step >= 0:
         x[FLAGS.bad_step, 0, 0] = np.inf
     return tf.data.Dataset.from_tensor_slices((x, y))
 
