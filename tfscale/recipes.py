@@ -136,6 +136,13 @@ RECIPES = {
 # ResNet-50 for 90 epochs at batch 64K (abstract); their learning rates and
 # warmup lengths were not found in the sources available, so there is no
 # 64K recipe.
+# Smith, Kindermans, Ying and Le 2017 (arXiv 1711.00489) trained
+# Inception-ResNet-V2 in under 2500 parameter updates with batches of 65536
+# and ResNet-50 in under 30 minutes (the abstracts of its two versions); the
+# settings of those ImageNet runs were not in the sources available, nor was
+# public code that reproduces them, so there is no batch-growth recipe. A
+# recipe can hold one: `batch_schedule` and `max_global_batch_size` are
+# `Settings` fields like the others.
 
 
 SETTINGS_FILE = "settings.json"

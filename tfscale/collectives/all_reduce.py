@@ -6,6 +6,7 @@ import dataclasses
 from absl import logging
 import tensorflow as tf
 
+from tfscale import _tf_private
 from tfscale.collectives import algorithms
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
@@ -32,8 +33,6 @@ def timed_all_reduce(reduce_fn, tensors, exposed_communication_seconds):
     Returns:
         What `reduce_fn` returns (tensors, or a nest of them).
     """
-    from tfscale import _tf_private  # not at the top: it imports collectives
-
     if _tf_private.in_xla_context():
         return reduce_fn(tensors)
     with tf.control_dependencies(tf.nest.flatten(tensors)):

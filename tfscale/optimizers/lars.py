@@ -1,90 +1,13 @@
 """LARS: layer-wise adaptive rate scaling, as a Keras 3 optimizer."""
 
-import re
-
 import keras
 from keras import ops
 
-from tfscale._validation import is_number
-
-# Default exclusions (used when `exclude_from_weight_decay=None`): biases and
-# normalization parameters. Keras names BatchNormalization's trainable
-# variables `gamma` / `beta` (path e.g. "conv1_bn/gamma"); the last pattern
-# also catches other layers named with a whole "bn" token ("bn/...",
-# "conv1_bn/...", "bn_conv1/...", "bn2a_branch2a/...") but not words that
-# merely contain "bn" ("bneck", "bnorm").
-_DEFAULT_EXCLUDE = (
-    r"bias",
-    r"gamma",
-    r"beta",
-    r"batch_norm",
-    r"(?:^|[/_])bn(?:[/_\d]|$)",
-)
+from tfscale.optimizers.exclusion import check_number
+from tfscale.optimizers.exclusion import check_patterns
+from tfscale.optimizers.exclusion import excluded
 
 _LOW_PRECISION_FLOATS = ("float16", "bfloat16")
-
-
-def _variable_path(variable):
-    """`variable.path` for Keras variables, the op name for raw tf variables."""
-    path = getattr(variable, "path", None)
-    if isinstance(path, str):
-        return path
-    name = getattr(variable, "name", "") or ""
-    return name[:-2] if name.endswith(":0") else name
-
-
-def _excluded(variable, patterns):
-    """Whether `variable`'s path matches `patterns`; None: the built-in rule
-    (biases and normalization parameters: `_DEFAULT_EXCLUDE` or rank <= 1)."""
-    path = _variable_path(variable)
-    if patterns is None:
-        if len(variable.shape) <= 1:
-            return True
-        patterns = _DEFAULT_EXCLUDE
-    return any(re.search(p, path) is not None for p in patterns)
-
-
-def _check_number(name, value, low, high=None):
-    """Raises ValueError unless `low <= value (<= high)`; returns a float."""
-    ok = (
-        is_number(value)
-        and value >= low
-        and (high is None or value <= high)
-    )
-    if not ok:
-        rule = (
-            f"a number >= {low:g}"
-            if high is None
-            else f"a number in the range [{low:g}, {high:g}]"
-        )
-        raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
-    return float(value)
-
-
-def _check_patterns(name, value):
-    """Validates an exclusion argument: None, or a list of regex strings."""
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ValueError(
-            f"`{name}` must be None or a list of regular expressions "
-            f"(strings). Received: {name}={value!r}"
-        )
-    for pattern in value:
-        if not isinstance(pattern, str):
-            raise ValueError(
-                f"`{name}` must be None or a list of regular expressions "
-                f"(strings). Received: {name}={value!r}"
-            )
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(
-                f"`{name}` must contain valid regular expressions; "
-                f"{pattern!r} does not compile ({e}). Received: "
-                f"{name}={value!r}"
-            ) from None
-    return tuple(value)
 
 
 @keras.saving.register_keras_serializable(package="tfscale")
@@ -207,12 +130,12 @@ class LARS(keras.optimizers.Optimizer):
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.momentum = _check_number("momentum", momentum, 0.0, 1.0)
-        self.weight_decay_rate = _check_number(
+        self.momentum = check_number("momentum", momentum, 0.0, 1.0)
+        self.weight_decay_rate = check_number(
             "weight_decay_rate", weight_decay_rate, 0.0
         )
-        self.eeta = _check_number("eeta", eeta, 0.0)
-        self.epsilon = _check_number("epsilon", epsilon, 0.0)
+        self.eeta = check_number("eeta", eeta, 0.0)
+        self.epsilon = check_number("epsilon", epsilon, 0.0)
         if not isinstance(nesterov, bool):
             raise ValueError(
                 "`nesterov` must be a boolean. "
@@ -221,16 +144,16 @@ class LARS(keras.optimizers.Optimizer):
         self.nesterov = nesterov
         # Not `self.exclude_from_weight_decay`: that name is a method of the
         # base optimizer (for its decoupled `weight_decay`).
-        self._lars_exclude_from_weight_decay = _check_patterns(
+        self._lars_exclude_from_weight_decay = check_patterns(
             "exclude_from_weight_decay", exclude_from_weight_decay
         )
-        self._lars_exclude_from_layer_adaptation = _check_patterns(
+        self._lars_exclude_from_layer_adaptation = check_patterns(
             "exclude_from_layer_adaptation", exclude_from_layer_adaptation
         )
 
     def _is_excluded(self, variable, patterns):
         """Whether `variable` matches `patterns` (None: the built-in rule)."""
-        return _excluded(variable, patterns)
+        return excluded(variable, patterns)
 
     def build(self, variables):
         """Initialize optimizer variables and per-variable flags.

@@ -6,9 +6,9 @@ import keras
 from keras import ops
 
 from tfscale._validation import is_number
-from tfscale.optimizers.lars import _check_number
-from tfscale.optimizers.lars import _check_patterns
-from tfscale.optimizers.lars import _excluded
+from tfscale.optimizers.exclusion import check_number
+from tfscale.optimizers.exclusion import check_patterns
+from tfscale.optimizers.exclusion import excluded
 
 
 def sgd_coefficient(step, beta_center, beta_period):
@@ -144,10 +144,10 @@ class RMSpropWarmup(keras.optimizers.Optimizer):
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.rmsprop_learning_rate = _check_number(
+        self.rmsprop_learning_rate = check_number(
             "rmsprop_learning_rate", rmsprop_learning_rate, 0.0)
-        self.mu1 = _check_number("mu1", mu1, 0.0, 1.0)
-        self.mu2 = _check_number("mu2", mu2, 0.0, 1.0)
+        self.mu1 = check_number("mu1", mu1, 0.0, 1.0)
+        self.mu2 = check_number("mu2", mu2, 0.0, 1.0)
         if self.mu2 == 1.0:
             raise ValueError(
                 "`mu2` must be a number in the range [0, 1) (1 never updates "
@@ -156,20 +156,20 @@ class RMSpropWarmup(keras.optimizers.Optimizer):
             raise ValueError(
                 f"`epsilon` must be a number > 0. Received: epsilon={epsilon!r}")
         self.epsilon = float(epsilon)
-        self.beta_center = _check_number("beta_center", beta_center, 0.0)
+        self.beta_center = check_number("beta_center", beta_center, 0.0)
         if not (is_number(beta_period) and beta_period > 0):
             raise ValueError(
                 "`beta_period` must be a number > 0 (steps). "
                 f"Received: beta_period={beta_period!r}")
         self.beta_period = float(beta_period)
-        self.weight_decay_rate = _check_number(
+        self.weight_decay_rate = check_number(
             "weight_decay_rate", weight_decay_rate, 0.0)
-        self._warmup_exclude_from_weight_decay = _check_patterns(
+        self._warmup_exclude_from_weight_decay = check_patterns(
             "exclude_from_weight_decay", exclude_from_weight_decay)
 
     def _decays(self, variable):
         """Whether `variable` gets `weight_decay_rate` (LARS's exclusions)."""
-        return self.weight_decay_rate > 0 and not _excluded(
+        return self.weight_decay_rate > 0 and not excluded(
             variable, self._warmup_exclude_from_weight_decay)
 
     def build(self, variables):
