@@ -1,6 +1,6 @@
 r"""Large-batch study on digits: what closes the large-batch gap?
 
-    python -m launch.studies.large_batch   # defaults: 8 min here, more under load
+    python -m launch.studies.large_batch   # defaults: 24 min here (144 runs)
 
 The question of You et al. 2017, Jia et al. 2018 and Akiba et al. 2017,
 asked of a data set that fits on this machine: at the same epoch budget a
