@@ -16,10 +16,10 @@ import keras
 
 import models
 import tfscale
-from tfscale import collectives
 from launch.bench import cluster
 from tfscale import agreement
 from tfscale import callbacks
+from tfscale import collectives
 from tfscale import data
 from tfscale.strategy import KerasMultiWorkerMirroredStrategy
 
@@ -109,15 +109,15 @@ def _powersgd_report(strategy, model):
     (non-zero: the compressed path ran)."""
     import tensorflow as tf
 
+    variables = model.trainable_variables
     with strategy.scope():
-        state = strategy.powersgd.state(model.optimizer, model.trainable_variables)
-    compressed = {m.index for m in state.matrices}
-    uncompressed = sum(v.shape.num_elements() * 4 for i, v in
-                       enumerate(model.trainable_variables) if i not in compressed)
+        state = strategy.powersgd.state(model.optimizer, variables)
+    gradient_bytes, wire_bytes = collectives.powersgd.wire_bytes(
+        state.matrices, [v.shape for v in variables], [v.dtype for v in variables])
     return {
         "compressed_tensors": len(state.matrices),
-        "gradient_bytes": sum(v.shape.num_elements() * 4 for v in model.trainable_variables),
-        "wire_bytes": uncompressed + sum(m.compressed_bytes for m in state.matrices),
+        "gradient_bytes": gradient_bytes,
+        "wire_bytes": wire_bytes,
         "error_feedback_norm": float(tf.linalg.global_norm(
             [e.read_value() for e in state.error])),
     }

@@ -128,28 +128,39 @@ def plan(shapes, dtypes, rank, min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE
     return matrices
 
 
+def _size_bytes(shape, dtype):
+    return (tf.TensorShape(shape).num_elements() or 0) * tf.as_dtype(dtype).size
+
+
+def wire_bytes(matrices, shapes, dtypes):
+    """`(gradient_bytes, wire_bytes)`: the gradients' bytes, and what PowerSGD
+    sends for them per step (P and Q of each of `matrices`, every other
+    gradient as it is)."""
+    compressed = {m.index: m.compressed_bytes for m in matrices}
+    sizes = [_size_bytes(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+    return sum(sizes), sum(compressed.get(i, size) for i, size in enumerate(sizes))
+
+
 def describe(matrices, shapes, dtypes, names=None):
     """One line per gradient with its bytes on the wire, and the total."""
     by_index = {m.index: m for m in matrices}
-    lines, before, after = [], 0, 0
+    lines = []
     for index, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         shape = tf.TensorShape(shape)
         dtype = tf.as_dtype(dtype)
-        size = (shape.num_elements() or 0) * dtype.size
+        size = _size_bytes(shape, dtype)
         name = names[index] if names else f"tensor {index}"
         matrix = by_index.get(index)
-        before += size
         if matrix is None:
-            after += size
             lines.append(f"  {name} {shape.as_list()}: {size:,} bytes {dtype.name}, "
                          "uncompressed")
             continue
-        after += matrix.compressed_bytes
         lines.append(
             f"  {name} {list(matrix.shape)}: {size:,} bytes -> {matrix.rows}x"
             f"{matrix.cols} at rank {matrix.rank}: {matrix.compressed_bytes:,} "
             f"bytes (P {matrix.rows}x{matrix.rank} + Q {matrix.cols}x{matrix.rank}, "
             f"{size / matrix.compressed_bytes:.1f}x)")
+    before, after = wire_bytes(matrices, shapes, dtypes)
     ratio = before / after if after else 1.0
     lines.append(f"  total: {before:,} bytes -> {after:,} bytes on the wire "
                  f"({ratio:.1f}x smaller), {len(matrices)} of {len(shapes)} "

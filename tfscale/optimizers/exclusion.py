@@ -20,7 +20,6 @@ DEFAULT_EXCLUDE = (
 )
 
 
-
 def variable_path(variable):
     """`variable.path` for Keras variables, the op name for raw tf variables."""
     path = getattr(variable, "path", None)
