@@ -18,6 +18,7 @@ writes its own, atomically, under `worker-state/step-N/worker-R-of-W/`
 `restore` reads it back on each worker.
 """
 
+import glob
 import itertools
 import json
 import os
@@ -206,6 +207,10 @@ def save(model, directory, step, extra=None):
     `extra` (a JSON-serializable dict) is recorded with it; `state` reads it.
     """
     os.makedirs(directory, exist_ok=True)
+    # A writer killed mid-save (SIGKILL skips `finally`) leaves its partial
+    # directory; only the chief saves here, one save at a time.
+    for stale in glob.glob(os.path.join(directory, ".partial-*")):
+        shutil.rmtree(stale, ignore_errors=True)
     name = f"step-{step:09d}"
     _write_directory(_trackable_state(model), os.path.join(directory, name))
     state_path = os.path.join(directory, STATE_FILE)
