@@ -39,7 +39,8 @@ def input_checks():
     """
     try:
         yield
-    except (ValueError, NotImplementedError, FileNotFoundError) as error:
+    except (ValueError, NotImplementedError, FileNotFoundError,
+            TimeoutError) as error:
         raise BadInputError(str(error)) from error
 
 
@@ -163,8 +164,8 @@ class DataPlan:
         return self.phases[-1].end_step * FLAGS.accumulation_steps
 
 
-def check_data(num_workers):
-    """`DataPlan` of the flags; raises ValueError if the workers cannot share it."""
+def check_data():
+    """`DataPlan` of the flags; raises ValueError if the data cannot feed them."""
     from tfscale import batch_schedule
     from tfscale import data
     from tfscale import recipes
@@ -179,14 +180,11 @@ def check_data(num_workers):
             recipes.batch_phases(train_flags.settings_from_flags(),
                                  FLAGS.global_batch_size, updates_per_epoch,
                                  FLAGS.epochs),
-            num_workers, FLAGS.accumulation_steps)
-    data.check_batch(FLAGS.global_batch_size, num_workers, train_examples, "train",
+            FLAGS.accumulation_steps)
+    data.check_batch(FLAGS.global_batch_size, train_examples, "train",
                      FLAGS.accumulation_steps)
+    # Evaluation reads every example once, in batches of any size.
     eval_split = EVAL_SPLITS.get(FLAGS.dataset)
-    if eval_split:
-        data.check_batch(FLAGS.global_batch_size, num_workers,
-                         data.num_examples(FLAGS.dataset, eval_split), eval_split,
-                         FLAGS.accumulation_steps)
     phases = recipes.batch_phases(train_flags.settings_from_flags(),
                                   FLAGS.global_batch_size, updates_per_epoch,
                                   FLAGS.epochs)
@@ -197,6 +195,22 @@ def check_data(num_workers):
         eval_split=eval_split,
         phases=tuple(phases),
     )
+
+
+def prepare_data(prepares):
+    """--dataset=imagenet: prepares --data_dir here (`prepares`), or waits
+    (logging every minute) for the chief to; other data sets need nothing."""
+    from tfscale import imagenet_source
+
+    if FLAGS.dataset != "imagenet":
+        if FLAGS.prepare_only:
+            logging.info("--dataset=%s needs no preparation.", FLAGS.dataset)
+        return
+    version_dir = imagenet_source.ensure_prepared(
+        FLAGS.data_dir, FLAGS.manual_dir, prepares=prepares,
+        timeout_seconds=FLAGS.prepare_timeout or None, who="the chief")
+    if FLAGS.prepare_only:
+        logging.info("ImageNet is prepared in %s.", version_dir)
 
 
 def fit_batch_size():
@@ -221,6 +235,7 @@ def distributed(strategy, data_plan, split, start_step=0, phase=None):
             input_context=input_context, seed=FLAGS.seed, start_step=start_step,
             data_dir=FLAGS.data_dir, manual_dir=FLAGS.manual_dir,
             start_example=start_example,
+            drop_remainder=False,  # evaluation: every example, once
         )
     return strategy.distribute_datasets_from_function(make)
 
@@ -352,26 +367,30 @@ def recompute_batch_norm_statistics(model, strategy, data_plan):
 
 def log_start(strategy, settings, data_plan, start_step):
     """The chief's line saying what trains, and from which checkpoint."""
+    from tfscale import data
     from tfscale import recipes
 
     num_workers = strategy.num_workers
     logging.info(
-        "Training %s on %s: %d worker(s), global batch %d (%d per worker), "
+        "Training %s on %s: %d worker(s), global batch %d (%s), "
         "%d steps/epoch, %d epochs, %s, %s.",
         FLAGS.model, FLAGS.dataset, num_workers, FLAGS.global_batch_size,
-        FLAGS.global_batch_size // num_workers, data_plan.steps_per_epoch,
+        data.describe_share(FLAGS.global_batch_size, num_workers),
+        data_plan.steps_per_epoch,
         FLAGS.epochs, strategy.communication,
         recipes.describe(settings, FLAGS.global_batch_size),
     )
     if FLAGS.accumulation_steps > 1:
-        logging.info("Each step accumulates %d micro-batches of %d (%d per "
-                     "worker); %d micro-batches per epoch.",
+        logging.info("Each step accumulates %d micro-batches of %d (%s); "
+                     "%d micro-batches per epoch.",
                      FLAGS.accumulation_steps, fit_batch_size(),
-                     fit_batch_size() // num_workers, data_plan.steps_per_epoch)
+                     data.describe_share(fit_batch_size(), num_workers),
+                     data_plan.steps_per_epoch)
     for phase in data_plan.phases[1:]:
-        logging.info("Batch schedule: %s: global batch %d (%d per worker), "
+        logging.info("Batch schedule: %s: global batch %d (%s), "
                      "%d steps/epoch, learning rate / %d.", phase.describe(),
-                     phase.global_batch_size, phase.global_batch_size // num_workers,
+                     phase.global_batch_size,
+                     data.describe_share(phase.global_batch_size, num_workers),
                      phase.steps_per_epoch, phase.learning_rate_divisor)
     if start_step:
         logging.info("Resuming from the checkpoint of step %d in %s.",
@@ -387,13 +406,17 @@ def train():
     if is_evaluator():
         evaluate_checkpoints()
         return
+    if FLAGS.prepare_only:
+        prepare_data(prepares=True)
+        return
     with input_checks():
         strategy = strategy_from_flags()
         if not strategy.is_chief:
             logging.set_verbosity(logging.WARNING)
         agreement.check_settings_agree(strategy, shared_settings())
         settings = train_flags.settings_from_flags()
-        data_plan = check_data(strategy.num_workers)
+        prepare_data(prepares=strategy.is_chief)
+        data_plan = check_data()
         check_resume_settings(settings, data_plan)
         model, start_step = build_model(strategy, settings, data_plan)
     if strategy.is_chief:
@@ -415,24 +438,20 @@ def evaluate_checkpoints():
     --model_dir on the whole evaluation split, until the last one."""
     import tensorflow as tf
 
-    from tfscale import collectives
     from tfscale import data
     from tfscale import evaluator
 
     with input_checks():
-        cluster = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        # As training computes it: the number of chief and worker tasks.
-        num_workers = len(collectives.topology.worker_addresses(
-            cluster.cluster_spec().as_dict())) or 1
         settings = train_flags.settings_from_flags()
-        data_plan = check_data(num_workers)
+        prepare_data(prepares=False)  # the chief prepares
+        data_plan = check_data()
         # No strategy: the evaluator runs no collectives with the trainers.
         model, _ = build_model(tf.distribute.get_strategy(), settings, data_plan,
                                restore=False)
     eval_data = data.load(
         FLAGS.dataset, data_plan.eval_split, FLAGS.global_batch_size,
         data_plan.image_size, data_dir=FLAGS.data_dir, manual_dir=FLAGS.manual_dir,
-        drop_remainder=False)  # one process: every example is evaluated
+        drop_remainder=False)  # every example is evaluated
     final_step = data_plan.final_step
     logging.info("Evaluator: evaluating the checkpoints in %s on the %s split "
                  "of %s until training's last (step %d).", FLAGS.model_dir,

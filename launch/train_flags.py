@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 LOCAL_FLAGS = frozenset({"data_dir", "manual_dir", "model_dir", "export_dir",
                          "verbose", "cluster_resolver", "tensorboard_dir",
                          "startup_timeout", "evaluator_timeout",
-                         "slurm_port_base"})
+                         "slurm_port_base", "prepare_only", "prepare_timeout"})
 # Flags besides the `Settings` fields whose change would make a resumed run
 # train differently from the run that wrote its checkpoints.
 TRAINING_FLAGS = ("model", "dataset", "global_batch_size", "epochs",
@@ -63,6 +63,18 @@ def _define_job_flags():
         "Directory holding ILSVRC2012_img_{train,val}.tar (imagenet); default "
         "<data_dir>/downloads/manual.",
     )
+    flags.DEFINE_bool(
+        "prepare_only", False,
+        "--dataset=imagenet: prepare --data_dir from the archives in "
+        "--manual_dir (tensorflow-datasets, then tfscale's record index) and "
+        "exit; run it once, in one process, before a job whose workers share "
+        "--data_dir. Without it the chief prepares at start and the other "
+        "workers wait.")
+    flags.DEFINE_float(
+        "prepare_timeout", 24 * 3600,
+        "--dataset=imagenet: seconds a worker waits for the chief to prepare "
+        "--data_dir (logging every minute) before exiting with an error "
+        "naming it; 0: wait as long as it takes.", lower_bound=0)
     flags.DEFINE_integer("global_batch_size", 64,
                          "Examples per step over all workers.")
     flags.DEFINE_integer("epochs", 10, "Training epochs.")

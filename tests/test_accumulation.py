@@ -173,5 +173,6 @@ def test_tfscale_train_refuses_micro_batches_that_do_not_divide(tmp_path):
                       "--accumulation_steps=3", "--export_dir="], cwd=tmp_path,
                      timeout=120)
     assert process.returncode != 0
-    assert ("`global_batch_size` must be divisible by the number of workers (1) "
-            "times `accumulation_steps` (3)") in process.stdout
+    assert ("tfscale-train: `global_batch_size` must be divisible by "
+            "`accumulation_steps` (3), so that every update averages equal "
+            "micro-batches. Received: global_batch_size=32; use e.g. 30.") in process.stdout

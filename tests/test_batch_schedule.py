@@ -87,24 +87,19 @@ def test_phases_refuse_events_past_training_and_batches_past_an_epoch():
         batch_schedule.phases("1:2", 16, 4, 3, max_global_batch_size=8)
 
 
-def test_check_phases_names_the_phase_the_workers_cannot_share():
+def test_check_phases_names_the_phase_that_does_not_cut_into_micro_batches():
     phases = batch_schedule.phases("1:2", 12, 4, 2)
-    batch_schedule.check_phases(phases, 4)
+    batch_schedule.check_phases(phases, accumulation_steps=4)
     with pytest.raises(ValueError, match=r"The global batch of phase 1 \(epochs "
-                       r"0-0\), 12, does not divide evenly among 8 workers: every "
-                       r"worker needs an equal batch at every phase. Choose a "
-                       r"first global batch and factors whose products divide "
-                       r"by 8."):
-        batch_schedule.check_phases(phases, 8)
-    with pytest.raises(ValueError, match=r"phase 1 \(epochs 0-0\), 12, does not "
-                       r"divide evenly among 2 workers times "
-                       r"accumulation_steps \(4\)"):
-        batch_schedule.check_phases(phases, 2, accumulation_steps=4)
+                       r"0-0\), 12, does not cut into accumulation_steps \(8\) "
+                       r"equal micro-batches. Choose a first global batch and "
+                       r"factors whose products divide by 8."):
+        batch_schedule.check_phases(phases, accumulation_steps=8)
     # Phases of a hand-made list are each checked: the second is named.
     odd = [phases[0], batch_schedule.Phase(1, 1, 2, 18, 3, 1, 4, 48)]
     with pytest.raises(ValueError, match=r"phase 2 \(epochs 1-1\), 18, does "
-                       r"not divide evenly among 4 workers"):
-        batch_schedule.check_phases(odd, 4)
+                       r"not cut into accumulation_steps \(4\)"):
+        batch_schedule.check_phases(odd, accumulation_steps=4)
 
 
 def _parts(parts):
@@ -246,14 +241,14 @@ def test_tfscale_train_grows_the_batch_and_records_the_phase(tmp_path):
     assert (saved["batch_schedule"], saved["max_global_batch_size"]) == ("1:2,2:2", 32)
 
 
-def test_tfscale_train_refuses_a_phase_the_workers_cannot_share(tmp_path):
+def test_tfscale_train_refuses_a_phase_that_does_not_cut_into_micro_batches(tmp_path):
     process = _train(["--global_batch_size=32", "--batch_schedule=1:2",
                       "--epochs=2", "--accumulation_steps=3", "--export_dir="],
                      tmp_path)
     assert process.returncode != 0
     assert "Traceback" not in process.stdout, process.stdout[-3000:]
     assert ("tfscale-train: The global batch of phase 1 (epochs 0-0), 32, does "
-            "not divide evenly among 1 workers times accumulation_steps (3)"
+            "not cut into accumulation_steps (3) equal micro-batches"
             ) in process.stdout, process.stdout[-3000:]
 
 

@@ -171,3 +171,22 @@ def test_gpucheck_ring_only_checks_every_algorithm_on_cpu_workers(tmp_path):
         "tfscale-bench gpucheck: all 4 sums exact on 2 workers (ring; \"ran as\": "
         "the algorithm the plan ran, ring where a topology has no hierarchy); "
         "busbw = algbw * 2(n-1)/n. NCCL was NOT checked (--ring_only).")
+
+
+def test_scale_reports_start_up_memory_and_checks_each_algorithm(tmp_path):
+    # 3 workers share a global batch of 37 (13, 12, 12); the default
+    # strategy and the ring each train as one worker does.
+    output = tmp_path / "scale.json"
+    stdout = bench(tmp_path, "scale", "--worker_counts=3", "--num_workers=3",
+                   "--algorithms=default,ring", f"--output={output}")
+    (row,) = json.loads(output.read_text())
+    assert row["num_workers"] == 3 and row["emulated_nodes"] is None
+    assert 0 < row["startup_seconds_median"] <= row["startup_seconds_max"]
+    assert 100 < row["peak_memory_mib_median"] <= row["peak_memory_mib_max"]
+    assert row["peak_memory_gib_sum"] == pytest.approx(
+        3 * row["peak_memory_mib_median"] / 1024, rel=0.2)
+    for algorithm in ("default", "ring"):
+        check = row["algorithms"][algorithm]
+        assert check["bitwise_identical"]
+        assert check["max_abs_diff_vs_one_worker"] < 1e-6
+    assert "| 3 | loopback |" in stdout

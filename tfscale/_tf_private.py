@@ -74,6 +74,35 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   and `on_train_end` after it (`add_fit_hooks`): where tfscale sees the
   user's callbacks, which `fit` gets and the strategy does not.
   tests/test_keras_callbacks.py, test_fit_calls_the_hooks.
+- `keras.src.losses.loss.scale_loss_for_distribution` and
+  `unscale_loss_for_distribution` (`route_loss_scaling`): Keras's
+  `1 / num_workers` loss scaling, which Keras's losses, its train and test
+  steps and its loss metrics look up in that module, becomes each worker's
+  share of the step's examples under a `tfscale.Strategy`
+  (`tfscale.uneven_data`).
+  tests/test_uneven_data.py, test_keras_looks_up_the_routed_loss_scaling.
+- Keras's step functions (`keras_step`): `fit` and `evaluate` pass the
+  model's bound `train_step` / `test_step` to `strategy.run`, `predict` its
+  local `one_step_on_data`; their batches are padded where empty
+  (`tfscale.uneven_data`).
+  tests/test_uneven_data.py (3 workers, a worker without examples in
+  fit, evaluate and predict).
+- `DistributedDatasetsFromFunction._cardinality` and
+  `_enable_get_next_as_optional` (`set_cardinality`): the batches of each
+  worker's own pipeline, which Keras runs as many steps of, agreed among the
+  workers (`tfscale.uneven_data.agreed_cardinality`).
+  tests/test_uneven_data.py, the `ran_out` scenario (workers whose pipelines
+  hold 2, 3 and 4 batches).
+- `TensorFlowTrainer._maybe_symbolic_build` (`route_symbolic_build`): Keras
+  builds the model from the first batch MEAN-reduced over the workers, which
+  fails when their batches differ in size (a global batch 3 workers cannot
+  share); it is built from this worker's batch instead.
+  tests/test_uneven_data.py, test_symbolic_build_is_routed.
+- `context.context().abort_collective_ops` (`abort_collectives`): the
+  collective timeout of tfscale's collectives, kept by one watchdog thread
+  per worker instead of TensorFlow's thread per timed op
+  (`tfscale.collectives.watchdog`). tests/test_watchdog.py,
+  test_a_stalled_worker_fails_the_others_after_the_timeout.
 - `control_flow_util.GraphOrParentsInXlaContext` (`in_xla_context`): whether
   the function being traced is compiled by XLA (`jit_compile=True`), as MWMS
   asks it to choose between merge_call and not; XLA has no kernel for
@@ -94,6 +123,8 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.util import nest
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.losses import loss as keras_loss
 from keras.src.trainers import trainer as keras_trainer
 
 from tfscale import collectives
@@ -297,10 +328,14 @@ class CollectiveGroup:
         ordering: `"nccl"` only: the launcher whose ordering token every
             collective takes (sub-groups get their parent's); `None`: this
             group's own.
+        watch: `fn(issue, inputs) -> issue()` that runs each collective op
+            (`tfscale.collectives.watchdog.Watchdog`, which keeps the timeout
+            without a thread per op; then give `timeout_seconds=None`);
+            sub-groups take their parent's. `None`: ops run as they are.
     """
 
     def __init__(self, launcher, timeout_seconds, key_base=0,
-                 implementation="ring", ordering=None):
+                 implementation="ring", ordering=None, watch=None):
         if implementation not in ("ring", "nccl"):
             raise ValueError(
                 "Argument `implementation` must be 'ring' or 'nccl' (resolved "
@@ -315,6 +350,7 @@ class CollectiveGroup:
         # Per group on the ring path; one chain shared with every sub-group
         # on the NCCL path.
         self._ordering = ordering or launcher
+        self._watch = watch
 
     @property
     def size(self):
@@ -373,7 +409,8 @@ class CollectiveGroup:
         )
         group = CollectiveGroup(
             launcher, self._timeout_seconds, self._key_base, self.implementation,
-            ordering=self._ordering if self.implementation == "nccl" else None)
+            ordering=self._ordering if self.implementation == "nccl" else None,
+            watch=self._watch)
         self._subgroups[index] = group
         return group
 
@@ -397,10 +434,14 @@ class CollectiveGroup:
         if self.implementation == "nccl":
             _check_nccl_dtype(tensor.dtype)
         with tf.device(self.device):
-            return collective_ops.all_reduce_v2(
+            return self._issue(lambda: collective_ops.all_reduce_v2(
                 tensor, merge_op=merge_op, communication_hint=self.implementation,
                 **self._call_args(),
-            )
+            ), [tensor])
+
+    def _issue(self, op, inputs):
+        """`op()`, through `watch` if given."""
+        return op() if self._watch is None else self._watch(op, inputs)
 
     def all_gather(self, tensor):
         """Concatenates every member's `tensor` along axis 0.
@@ -411,9 +452,9 @@ class CollectiveGroup:
         """
         with tf.device(self.device):
             wire, dtype = _as_copyable(tensor)
-            gathered = collective_ops.all_gather_v2(
+            gathered = self._issue(lambda: collective_ops.all_gather_v2(
                 wire, communication_hint=self.implementation, **self._call_args()
-            )
+            ), [wire])
             return tf.bitcast(gathered, dtype) if wire.dtype != dtype else gathered
 
     def broadcast_send(self, tensor):
@@ -429,9 +470,9 @@ class CollectiveGroup:
             return self.all_reduce(tensor)
         with tf.device(self.device):
             wire, _ = _as_copyable(tensor)
-            sent = collective_ops.broadcast_send_v2(
+            sent = self._issue(lambda: collective_ops.broadcast_send_v2(
                 wire, communication_hint="auto", **self._call_args(ordered=False)
-            )
+            ), [wire])
             with tf.control_dependencies([sent]):
                 return tf.identity(tensor)
 
@@ -443,10 +484,10 @@ class CollectiveGroup:
                 return self.all_reduce(tf.zeros(shape, dtype))
         wire_dtype = _COPY_AS.get(dtype, dtype)
         with tf.device(self.device):
-            received = collective_ops.broadcast_recv_v2(
+            received = self._issue(lambda: collective_ops.broadcast_recv_v2(
                 shape, wire_dtype, communication_hint="auto",
                 **self._call_args(ordered=False),
-            )
+            ), [])
             return tf.bitcast(received, dtype) if wire_dtype != dtype else received
 
 
@@ -511,11 +552,12 @@ class TfscaleCollectiveAllReduce(_LoopSafeCollectiveAllReduce):
     """
 
     def __init__(self, all_reduce_fn, timeout_seconds, key_base,
-                 implementation="ring", **stock_args):
+                 implementation="ring", watch=None, **stock_args):
         super().__init__(**stock_args)
         self._all_reduce_fn = all_reduce_fn
         self.groups = [
-            CollectiveGroup(launcher, timeout_seconds, key_base, implementation)
+            CollectiveGroup(launcher, timeout_seconds, key_base, implementation,
+                            watch=watch)
             for launcher in self._launchers
         ]
         # Sizes (number of tensors) of every dense batch routed to tfscale,
@@ -547,14 +589,15 @@ def _stock_args(strategy):
 
 
 def install_cross_device_ops(strategy, all_reduce_fn, timeout_seconds,
-                             implementation="ring"):
-    """Makes `strategy` (an MWMS) reduce through `all_reduce_fn`.
+                             implementation="ring", watch=None):
+    """Makes `strategy` (an MWMS) reduce through `all_reduce_fn` (see
+    `TfscaleCollectiveAllReduce`; `watch`: see `CollectiveGroup`).
 
     Returns the installed `TfscaleCollectiveAllReduce`.
     """
     ops = TfscaleCollectiveAllReduce(
         all_reduce_fn, timeout_seconds, strategy._collective_key_base,
-        implementation, **_stock_args(strategy))
+        implementation, watch=watch, **_stock_args(strategy))
     strategy.extended._cross_device_ops = ops
     return ops
 
@@ -902,3 +945,125 @@ def _apply_all_reduced_first(optimizer, grads, trainable_variables):
                 lambda: optimizer._overwrite_model_variables_with_average_value(
                     optimizer._trainable_variables),
                 lambda: None)
+
+
+def route_loss_scaling(scale, unscale):
+    """Makes Keras scale each worker's loss with `scale(value, keras_scale)`
+    and unscale it with `unscale(value, keras_unscale)`, where `keras_scale`
+    and `keras_unscale` are Keras's own `scale_loss_for_distribution` and
+    `unscale_loss_for_distribution` (`value / num_workers`, `value *
+    num_workers`).
+
+    Keras's losses (`reduce_values`), `Trainer._aggregate_additional_loss`,
+    the TensorFlow trainer's steps and its loss metrics all look the two
+    functions up in `keras.src.losses.loss` when called. Idempotent: a second
+    call only replaces `scale` and `unscale`.
+    """
+    current = keras_loss.scale_loss_for_distribution
+    routes = getattr(current, "tfscale_routes", None)
+    if routes is None:
+        keras_scale = current
+        keras_unscale = keras_loss.unscale_loss_for_distribution
+        routes = {}
+
+        def scale_loss_for_distribution(value):
+            return routes["scale"](value, keras_scale)
+
+        def unscale_loss_for_distribution(value):
+            return routes["unscale"](value, keras_unscale)
+
+        scale_loss_for_distribution.tfscale_routes = routes
+        keras_loss.scale_loss_for_distribution = scale_loss_for_distribution
+        keras_loss.unscale_loss_for_distribution = unscale_loss_for_distribution
+    routes.update(scale=scale, unscale=unscale)
+
+
+def loss_scaling_routed():
+    """Whether `route_loss_scaling` is in place."""
+    return getattr(keras_loss.scale_loss_for_distribution, "tfscale_routes", None) is not None
+
+
+def route_symbolic_build(applies):
+    """Makes Keras build a model under a strategy `applies(strategy)` accepts
+    from this worker's first batch alone.
+
+    Keras 3.15's `TensorFlowTrainer._maybe_symbolic_build` takes the first
+    batch of `fit`, `evaluate` or `predict` and MEAN-reduces it element-wise
+    over the workers only to learn its shapes; when the workers' batches
+    differ in size (32 examples on 3 workers: 11, 11, 10) that all-reduce
+    fails with "Shape mismatch in the collective instance". The local batch
+    has the same shapes but the batch size, which building ignores, and
+    needs no collective. Idempotent: a second call only replaces `applies`.
+    """
+    cls = keras_tf_trainer.TensorFlowTrainer
+    current = cls.__dict__["_maybe_symbolic_build"]
+    chosen = getattr(current, "tfscale_applies", None)
+    if chosen is not None:
+        chosen[0] = applies
+        return
+    keras_method = current
+    chosen = [applies]
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is None or strategy is None or not chosen[0](strategy):
+            return keras_method(self, iterator=iterator, data_batch=data_batch)
+        for _, _, batches in iterator:
+            data_batch = tf.nest.map_structure(
+                lambda v: (strategy.experimental_local_results(v)[0]
+                           if isinstance(v, tf.distribute.DistributedValues) else v),
+                next(batches))
+            break
+        return keras_method(self, iterator=None, data_batch=data_batch)
+
+    _maybe_symbolic_build.tfscale_applies = chosen
+    cls._maybe_symbolic_build = _maybe_symbolic_build
+
+
+def symbolic_build_routed():
+    """Whether `route_symbolic_build` is in place."""
+    method = keras_tf_trainer.TensorFlowTrainer.__dict__["_maybe_symbolic_build"]
+    return getattr(method, "tfscale_applies", None) is not None
+
+
+# `predict`'s replica function in Keras 3.15 (keras/src/backend/tensorflow/
+# trainer.py, `make_predict_function`), which calls `model.predict_step`.
+_KERAS_PREDICT_STEP = "TensorFlowTrainer.make_predict_function.<locals>.one_step_on_data"
+
+
+def keras_step(fn):
+    """`"train"`, `"test"` or `"predict"` when `fn`, given to
+    `strategy.run`, is that step of a Keras model's `fit`, `evaluate` or
+    `predict`; None otherwise."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, keras_trainer.Trainer):
+        return {"train_step": "train", "test_step": "test"}.get(fn.__name__)
+    if getattr(fn, "__qualname__", None) == _KERAS_PREDICT_STEP:
+        return "predict"
+    return None
+
+
+
+def cardinality(distributed_dataset):
+    """The number of batches TensorFlow gives a distributed dataset (a
+    tf.data cardinality: >= 0, or `INFINITE`, `UNKNOWN`)."""
+    return int(distributed_dataset.cardinality)
+
+
+def set_cardinality(distributed_dataset, value):
+    """Makes every iterator of `distributed_dataset` (from
+    `distribute_datasets_from_function`, not yet iterated) count `value`
+    batches, with partial-batch handling unless `value` is `INFINITE` (the
+    workers without data then get empty batches), as TensorFlow sets both
+    from the first pipeline's cardinality when it builds the dataset."""
+    distributed_dataset._cardinality = value
+    distributed_dataset._enable_get_next_as_optional = (
+        value != tf.data.INFINITE_CARDINALITY)
+
+
+def abort_collectives(message):
+    """Fails every pending and later collective op of this process with
+    `message` (DEADLINE_EXCEEDED), as MultiWorkerMirroredStrategy's own
+    health check does when it loses a peer."""
+    context.context().abort_collective_ops(
+        tf.errors.DEADLINE_EXCEEDED, message)

@@ -27,7 +27,6 @@ same for any number of workers.
 ```python
 phases = tfscale.batch_schedule.phases("2:2", global_batch_size=64,
                                        steps_per_epoch=22, epochs=4)
-tfscale.batch_schedule.check_phases(phases, strategy.num_workers)
 for part in tfscale.batch_schedule.fit_parts(phases, start_step=0):
     dataset = ...  # batches of part.phase.global_batch_size from example
                    # part.phase.first_example + part.data_step * that batch
@@ -211,26 +210,21 @@ def phases(batch_schedule, global_batch_size, steps_per_epoch, epochs,
     return result
 
 
-def check_phases(all_phases, num_workers, accumulation_steps=1):
-    """Refuses phases whose batch the workers cannot share evenly.
-
-    Each phase's global batch must divide by `num_workers` (times
-    `accumulation_steps`, the micro-batches of a step).
+def check_phases(all_phases, accumulation_steps):
+    """Refuses phases whose batch does not cut into `accumulation_steps`
+    equal micro-batches (any number of workers shares any batch).
 
     Raises:
-        ValueError: naming the first such phase, its batch and the workers.
+        ValueError: naming the first such phase, its batch and the steps.
     """
-    shares = num_workers * accumulation_steps
     for phase in all_phases:
-        if phase.global_batch_size % shares:
-            micro = (f" times accumulation_steps ({accumulation_steps})"
-                     if accumulation_steps > 1 else "")
+        if phase.global_batch_size % accumulation_steps:
             raise ValueError(
                 f"The global batch of {phase.describe()}, "
-                f"{phase.global_batch_size}, does not divide evenly among "
-                f"{num_workers} workers{micro}: every worker needs an equal "
-                "batch at every phase. Choose a first global batch and "
-                f"factors whose products divide by {shares}.")
+                f"{phase.global_batch_size}, does not cut into "
+                f"accumulation_steps ({accumulation_steps}) equal "
+                "micro-batches. Choose a first global batch and factors whose "
+                f"products divide by {accumulation_steps}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,14 +2,16 @@
 
 Each pipeline yields `(images, labels)` batches for ONE worker: with an
 `input_context` (from `strategy.distribute_datasets_from_function`) it keeps
-its share of the data and batches `global_batch_size / num_workers` examples.
+its share of each global batch (`worker_share`: any global batch on any number
+of workers; the first `global_batch_size % num_workers` workers take one
+example more, as tf.distribute splits a batch).
 Images come out float32, resized to `image_size` and normalized by
 `preprocess`, the same function the exported SavedModel runs on raw uint8
 images, so training and serving see identical inputs.
 
-Sharding takes examples round-robin from one stream that every worker
-shuffles with the same seed, so a global batch holds the same examples
-whatever the number of workers. A pipeline may start `start_example`
+Every worker shuffles one stream with the same seed and cuts it into global
+batches; each worker keeps its rows of each, so a global batch holds the same
+examples whatever the number of workers. A pipeline may start `start_example`
 examples into that stream: where a phase of a growing batch
 (`tfscale.batch_schedule`) continues from the phase before it.
 """
@@ -95,34 +97,23 @@ def _normalize(images, dataset_spec):
     return (images - mean) / std
 
 
-def check_batch(global_batch_size, num_workers, num_examples, split,
-                accumulation_steps=1):
-    """Refuses a global batch the workers cannot share or the split cannot fill.
+def check_batch(global_batch_size, num_examples, split, accumulation_steps=1):
+    """Refuses a global batch the split cannot fill, or one that does not cut
+    into `accumulation_steps` equal micro-batches.
 
-    With `accumulation_steps` > 1 each step's global batch is split into that
-    many micro-batches, each shared by the workers: it must divide by
-    `num_workers * accumulation_steps`.
+    Any number of workers can share any global batch (`worker_share`).
     """
     if global_batch_size < 1:
         raise ValueError(
             "`global_batch_size` must be >= 1. "
             f"Received: global_batch_size={global_batch_size}"
         )
-    if accumulation_steps > 1 and global_batch_size % (num_workers * accumulation_steps):
-        shares = num_workers * accumulation_steps
+    if accumulation_steps > 1 and global_batch_size % accumulation_steps:
         raise ValueError(
-            f"`global_batch_size` must be divisible by the number of workers "
-            f"({num_workers}) times `accumulation_steps` ({accumulation_steps}), "
-            f"so that every worker gets equal micro-batches. Received: "
-            f"global_batch_size={global_batch_size}; use e.g. "
-            f"{max(1, global_batch_size // shares) * shares}."
-        )
-    if global_batch_size % num_workers:
-        raise ValueError(
-            f"`global_batch_size` must be divisible by the number of workers "
-            f"({num_workers}), so that every worker gets an equal batch. "
-            f"Received: global_batch_size={global_batch_size}; use e.g. "
-            f"{max(1, global_batch_size // num_workers) * num_workers}."
+            f"`global_batch_size` must be divisible by `accumulation_steps` "
+            f"({accumulation_steps}), so that every update averages equal "
+            f"micro-batches. Received: global_batch_size={global_batch_size}; "
+            f"use e.g. {max(1, global_batch_size // accumulation_steps) * accumulation_steps}."
         )
     if num_examples is not None and num_examples < global_batch_size:
         raise ValueError(
@@ -132,18 +123,49 @@ def check_batch(global_batch_size, num_workers, num_examples, split,
         )
 
 
+def worker_share(global_batch_size, num_workers, worker):
+    """`(start, size)`: worker `worker`'s rows of each global batch.
+
+    Split as tf.distribute splits a batch among replicas: each worker takes
+    `global_batch_size // num_workers` consecutive rows and the first
+    `global_batch_size % num_workers` workers one more (32 on 3 workers: 11,
+    11, 10). A worker's share may be empty (fewer examples than workers);
+    `tfscale.Strategy` weights each worker by the examples it holds.
+    """
+    base, extra = divmod(global_batch_size, num_workers)
+    return worker * base + min(worker, extra), base + (worker < extra)
+
+
+def describe_share(global_batch_size, num_workers):
+    """`"11 per worker"`, or `"10-11 per worker"` where the shares differ."""
+    low, high = global_batch_size // num_workers, -(-global_batch_size // num_workers)
+    return f"{low} per worker" if low == high else f"{low}-{high} per worker"
+
+
+def _this_worker(input_context):
+    """`(num_workers, worker)` of an input context (None: one pipeline)."""
+    if input_context is None:
+        return 1, 0
+    return input_context.num_input_pipelines, input_context.input_pipeline_id
+
+
 def num_examples(name, split, data_dir=None):
-    """Number of examples in a split; None for synthetic (endless)."""
+    """Number of examples in a split; None for synthetic (endless). ImageNet
+    before it is prepared: the sizes of the full ILSVRC2012 archives."""
     if name == "digits":
         return len(digits_arrays(split)[1])
     if name == "imagenet":
-        return _IMAGENET_SPLIT_SIZES[_imagenet_split(split)]
+        from tfscale import imagenet_source
+
+        split = _imagenet_split(split)
+        prepared = imagenet_source.num_examples(data_dir, split)
+        return _IMAGENET_SPLIT_SIZES[split] if prepared is None else prepared
     return None
 
 
 def load(name, split, global_batch_size, image_size=None, *, training=None,
          input_context=None, seed=0, start_step=0, data_dir=None, manual_dir=None,
-         drop_remainder=True, start_example=0):
+         drop_remainder=True, start_example=0, prepare_timeout_seconds=None):
     """The pipeline of data set `name`; see `digits`, `synthetic`, `imagenet`."""
     spec(name)
     kwargs = dict(input_context=input_context, seed=seed)
@@ -154,7 +176,8 @@ def load(name, split, global_batch_size, image_size=None, *, training=None,
     if name == "digits":
         return digits(split, global_batch_size, image_size, **kwargs)
     return imagenet(split, global_batch_size, image_size,
-                    data_dir=data_dir, manual_dir=manual_dir, **kwargs)
+                    data_dir=data_dir, manual_dir=manual_dir,
+                    prepare_timeout_seconds=prepare_timeout_seconds, **kwargs)
 
 
 def digits(split, global_batch_size, image_size=None, *, training=None,
@@ -173,11 +196,10 @@ def digits(split, global_batch_size, image_size=None, *, training=None,
         start_step: training batches to skip: where a resumed run continues
             (the stream is the same for the same seed).
         drop_remainder: evaluation only; False keeps a last, smaller batch,
-            so that every example is evaluated (one input pipeline only,
-            e.g. an evaluator task).
+            so that every example is evaluated once.
         start_example: training examples of the stream to skip before the
             first batch (before `start_step`'s batches): where a phase of a
-            batch schedule starts. A multiple of the number of workers.
+            batch schedule starts.
     """
     images, labels = digits_arrays(split)
     source = tf.data.Dataset.from_tensor_slices((images, labels))
@@ -196,9 +218,8 @@ def synthetic(global_batch_size, image_size=None, *, input_context=None, seed=0,
     step and the measurement is of the model and the all-reduce alone.
     """
     image_size = image_size or SPECS["synthetic"].default_image_size
-    num_workers = input_context.num_input_pipelines if input_context else 1
-    check_batch(global_batch_size, num_workers, None, "synthetic")
-    batch = global_batch_size // num_workers
+    check_batch(global_batch_size, None, "synthetic")
+    _, batch = worker_share(global_batch_size, *_this_worker(input_context))
     generator = tf.random.Generator.from_seed(seed)
     images = generator.normal([batch, image_size, image_size, channels])
     labels = generator.uniform([batch], maxval=num_classes, dtype=tf.int64)
@@ -207,74 +228,110 @@ def synthetic(global_batch_size, image_size=None, *, input_context=None, seed=0,
 
 def imagenet(split, global_batch_size, image_size=None, *, training=None,
              data_dir=None, manual_dir=None, input_context=None, seed=0,
-             start_step=0, drop_remainder=True, start_example=0):
-    """ImageNet (ILSVRC2012) through tensorflow-datasets, from a manual_dir.
+             start_step=0, drop_remainder=True, start_example=0,
+             prepare_timeout_seconds=None):
+    """ImageNet (ILSVRC2012) through tensorflow-datasets, read by example.
 
     ImageNet cannot be downloaded automatically: place ILSVRC2012_img_train.tar
     and ILSVRC2012_img_val.tar in `manual_dir` (default
-    `<data_dir>/downloads/manual`); the first run prepares the TFRecords.
-    Training: random-resized-crop (scale 0.08-1, aspect 3/4-4/3) and a random
-    flip; eval: resize and center crop. Workers read disjoint files.
+    `<data_dir>/downloads/manual`). The first run prepares them (pipeline 0
+    prepares, the others wait for it; `tfscale.imagenet_source`).
+
+    Training: one stream of example indices, a fresh permutation of the split
+    each epoch that depends only on `seed` and the epoch, cut into global
+    batches; each worker reads and decodes only its rows of each
+    (`worker_share`), so the global batches are the same for any number of
+    workers, more workers than files included. Random-resized-crop (scale
+    0.08-1, aspect 3/4-4/3; only the crop window is decoded) and a random
+    flip, both drawn from the example's position in the stream: the same
+    crop whatever the number of workers, and after a resume. A resume skips
+    whole global batches without reading them.
+
+    Evaluation: the split in order, resized and center-cropped (`preprocess`),
+    every example once with `drop_remainder=False`.
 
     Args:
         split: "train" or "validation" ("test" is an alias of "validation").
         data_dir, manual_dir: tensorflow-datasets directories.
+        prepare_timeout_seconds: how long a pipeline other than 0 waits for
+            pipeline 0 to prepare the data set (None: no limit).
         Others as in `digits`.
     """
-    import tensorflow_datasets as tfds  # slow import, only when used
+    from tfscale import imagenet_source
 
     dataset_spec = SPECS["imagenet"]
     image_size = image_size or dataset_spec.default_image_size
     tfds_split = _imagenet_split(split)
     training = (tfds_split == "train") if training is None else training
-    num_workers = input_context.num_input_pipelines if input_context else 1
-    check_batch(global_batch_size, num_workers,
-                _IMAGENET_SPLIT_SIZES[tfds_split], split)
-    drop_remainder = _check_drop_remainder(drop_remainder, training, num_workers)
-    try:
-        source = tfds.load(
-            "imagenet2012",
-            split=tfds_split,
-            data_dir=data_dir,
-            as_supervised=True,
-            shuffle_files=training,
-            read_config=tfds.ReadConfig(
-                input_context=input_context, shuffle_seed=seed,
-            ),
-            download_and_prepare_kwargs={
-                "download_config": tfds.download.DownloadConfig(
-                    manual_dir=manual_dir
-                )
-            },
-        )
-    except AssertionError as error:  # tfds's way of saying files are missing
-        raise _imagenet_missing(data_dir, manual_dir, f" ({error})") from error
-    batch = global_batch_size // num_workers
+    num_workers, worker = _this_worker(input_context)
+    version_dir = imagenet_source.ensure_prepared(
+        data_dir, manual_dir, prepares=worker == 0,
+        timeout_seconds=prepare_timeout_seconds)
+    source = imagenet_source.RecordSource(version_dir, tfds_split)
+    count = source.num_examples
+    check_batch(global_batch_size, count, split)
+    if start_example < 0:
+        raise ValueError("`start_example` must be >= 0. "
+                         f"Received: start_example={start_example}")
+    start, size = worker_share(global_batch_size, num_workers, worker)
     if training:
-        source = source.shuffle(16 * batch, seed=seed).repeat()
-        # Resuming reads past what was trained on (decoding, not augmenting).
-        source = source.skip(start_step * batch + start_example // num_workers)
-        crop = _random_resized_crop_fn(image_size)
-
-        def transform(image, label):
-            return _normalize(crop(image), dataset_spec), label
+        steps = tf.data.Dataset.range(start_step, np.iinfo(np.int64).max)
     else:
-        def transform(image, label):
-            return preprocess(image[None], dataset_spec, image_size)[0], label
-    source = source.map(transform, num_parallel_calls=tf.data.AUTOTUNE)
-    source = source.batch(batch, drop_remainder=drop_remainder)
-    return source.prefetch(tf.data.AUTOTUNE)
+        steps = tf.data.Dataset.range(
+            count // global_batch_size if drop_remainder
+            else -(-count // global_batch_size))
+
+    def read(step):
+        positions = (start_example + step * global_batch_size + start
+                     + tf.range(size, dtype=tf.int64))
+        if training and size:  # (the op refuses an empty share)
+            examples = _shuffled_examples(positions, count, seed)
+        elif training:
+            examples = positions
+        else:
+            positions = positions[positions < count]  # the last, partial batch
+            examples = positions
+        records = tf.numpy_function(source.read, [examples], tf.string, stateful=False)
+        parsed = tf.io.parse_example(records, {
+            "image": tf.io.FixedLenFeature([], tf.string),
+            "label": tf.io.FixedLenFeature([], tf.int64)})
+        return positions, parsed["image"], parsed["label"]
+
+    if training:
+        transform = _random_resized_crop_fn(image_size, seed)
+    else:
+        def transform(jpeg, position):
+            del position
+            image = tf.io.decode_jpeg(jpeg, channels=3)
+            return preprocess(image[None], dataset_spec, image_size)[0]
+
+    def decode(positions, jpegs, labels):
+        images = tf.map_fn(
+            lambda args: transform(*args), (jpegs, positions),
+            fn_output_signature=tf.TensorSpec([image_size, image_size, 3], tf.float32))
+        if training:
+            images = _normalize(images, dataset_spec)
+        return images, tf.ensure_shape(labels, [None])
+
+    batches = steps.map(read, num_parallel_calls=tf.data.AUTOTUNE)
+    batches = batches.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
+    return batches.prefetch(tf.data.AUTOTUNE)
 
 
-_IMAGENET_ARCHIVES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
-
-
-def _imagenet_missing(data_dir, manual_dir, detail=""):
-    return FileNotFoundError(
-        "ImageNet is not prepared and its archives were not found: place "
-        f"{' and '.join(_IMAGENET_ARCHIVES)} in --manual_dir (received "
-        f"manual_dir={manual_dir!r}, data_dir={data_dir!r}){detail}."
-    )
+def _shuffled_examples(positions, count, seed):
+    """The example at each stream position: epoch `position // count` is a
+    permutation of the split drawn from `(seed, epoch)` alone
+    (`tf.random.experimental.index_shuffle`'s op, computed per position)."""
+    epochs = positions // count
+    # One seed row per position: a batch may straddle two epochs. TF 2.21's
+    # `index_shuffle` wrapper pads a [k, 2] seed along the wrong axis, so
+    # build the rows it builds for a [2] seed: [498247692, seed, epoch].
+    seeds = tf.stack([tf.fill(tf.shape(epochs), tf.constant(498247692, tf.int64)),
+                      tf.fill(tf.shape(epochs), tf.constant(seed, tf.int64)),
+                      epochs], axis=-1)
+    return tf.raw_ops.RandomIndexShuffle(
+        index=positions % count, seed=seeds,
+        max_index=tf.constant(count - 1, tf.int64), rounds=4)
 
 
 def check_imagenet_source(data_dir=None, manual_dir=None):
@@ -283,18 +340,21 @@ def check_imagenet_source(data_dir=None, manual_dir=None):
     Cheap enough to run before anything starts: it only looks for the
     prepared data set in `data_dir` and for the archives in `manual_dir`.
     """
+    from tfscale import imagenet_source
+
     import tensorflow_datasets as tfds
 
-    builder = tfds.builder("imagenet2012", data_dir=data_dir)
+    builder = tfds.builder(imagenet_source.NAME, data_dir=data_dir)
     if tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json")):
         return
-    # builder.data_dir is <root>/imagenet2012/<version>; tfds's default
-    # manual_dir is <root>/downloads/manual.
-    root = os.path.dirname(os.path.dirname(builder.data_dir))
-    manual_dir_used = manual_dir or os.path.join(root, "downloads", "manual")
-    if not all(tf.io.gfile.exists(os.path.join(manual_dir_used, name))
-               for name in _IMAGENET_ARCHIVES):
-        raise _imagenet_missing(data_dir, manual_dir_used)
+    manual_dir = manual_dir or imagenet_source.default_manual_dir(data_dir)
+    missing = [name for name in imagenet_source.ARCHIVES
+               if not tf.io.gfile.exists(os.path.join(manual_dir, name))]
+    if missing:
+        raise FileNotFoundError(
+            "ImageNet is not prepared and its archives were not found: place "
+            f"{' and '.join(imagenet_source.ARCHIVES)} in --manual_dir (missing: "
+            f"{', '.join(missing)} in {manual_dir}; data_dir={data_dir!r}).")
 
 
 # Split sizes of ILSVRC2012 as tensorflow-datasets prepares it.
@@ -330,56 +390,36 @@ def digits_arrays(split):
     return (train_x, train_y) if split == "train" else (test_x, test_y)
 
 
-def _check_start_example(start_example, num_workers):
-    """Refuses a start the workers' round-robin shares cannot begin at."""
-    if start_example < 0 or start_example % num_workers:
-        raise ValueError(
-            "`start_example` must be >= 0 and a multiple of the number of "
-            f"workers ({num_workers}). Received: start_example={start_example}")
-
-
-def _check_drop_remainder(drop_remainder, training, num_workers):
-    """`drop_remainder` of a pipeline; keeping a remainder is refused where
-    workers would be left without a batch."""
-    if training or drop_remainder:
-        return True
-    if num_workers > 1:
-        raise ValueError(
-            "`drop_remainder=False` needs one input pipeline: with several, a "
-            "worker left without a last batch would stall the others. "
-            f"Received: {num_workers} input pipelines")
-    return False
-
-
 def _batched(source, count, dataset_spec, split, global_batch_size, image_size,
              training, input_context, seed, start_step, drop_remainder=True,
              start_example=0):
-    """Shuffles, shards round-robin, batches and preprocesses an in-memory split."""
+    """Shuffles, batches, keeps this worker's share and preprocesses an
+    in-memory split.
+
+    Training: one stream shuffled with the same seed on every worker, cut
+    into global batches, of which each worker keeps its rows
+    (`worker_share`). Evaluation: one pass, in order; with `drop_remainder`
+    whole global batches only, else a last, smaller one too (a worker left
+    without rows of it runs out of data first).
+    """
     image_size = image_size or dataset_spec.default_image_size
     training = (split == "train") if training is None else training
-    num_workers = input_context.num_input_pipelines if input_context else 1
-    worker = input_context.input_pipeline_id if input_context else 0
-    check_batch(global_batch_size, num_workers, count, split)
-    _check_start_example(start_example, num_workers)
-    drop_remainder = _check_drop_remainder(drop_remainder, training, num_workers)
+    check_batch(global_batch_size, count, split)
+    if start_example < 0:
+        raise ValueError("`start_example` must be >= 0. "
+                         f"Received: start_example={start_example}")
     if training:
-        # Same seed on every worker: one shuffled stream, then each worker
-        # takes every num_workers-th example.
         source = source.shuffle(count, seed=seed, reshuffle_each_iteration=True)
         source = source.repeat()
-        if start_example:  # before sharding: the same examples for any N
+        if start_example:  # before batching: the same examples for any N
             source = source.skip(start_example)
-    elif drop_remainder:
-        # Whole global batches only, so every worker runs the same number of
-        # steps (a worker left without a batch would stall the others).
-        source = source.take(count - count % global_batch_size)
-    source = source.shard(num_workers, worker)
-    source = source.batch(global_batch_size // num_workers,
-                          drop_remainder=drop_remainder)
+    source = source.batch(global_batch_size, drop_remainder=training or drop_remainder)
     if training:
         source = source.skip(start_step)  # before preprocessing: cheap
+    start, size = worker_share(global_batch_size, *_this_worker(input_context))
     source = source.map(
-        lambda x, y: (preprocess(x, dataset_spec, image_size), y),
+        lambda x, y: (preprocess(x[start:start + size], dataset_spec, image_size),
+                      y[start:start + size]),
         num_parallel_calls=tf.data.AUTOTUNE,
     )
     return source.prefetch(tf.data.AUTOTUNE)
@@ -399,21 +439,25 @@ def _resize_shorter_and_center_crop(images, image_size, crop_fraction=0.875):
     return images[:, top:top + image_size, left:left + image_size, :]
 
 
-def _random_resized_crop_fn(image_size):
-    """Inception-style crop (Szegedy et al. 2015) + horizontal flip."""
+def _random_resized_crop_fn(image_size, seed):
+    """Inception-style crop (Szegedy et al. 2015) + horizontal flip of one
+    JPEG, drawn from `(seed, position)`: only the crop window is decoded."""
 
-    def crop(image):
-        begin, size, _ = tf.image.sample_distorted_bounding_box(
-            tf.shape(image),
+    def crop(jpeg, position):
+        draw = tf.stack([tf.constant(seed, tf.int64), tf.cast(position, tf.int64)])
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.image.extract_jpeg_shape(jpeg),
             bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+            seed=draw,
             min_object_covered=0.1,
             aspect_ratio_range=(3 / 4, 4 / 3),
             area_range=(0.08, 1.0),
             max_attempts=10,
             use_image_if_no_bounding_boxes=True,
         )
-        image = tf.slice(image, begin, size)
+        window = tf.stack([begin[0], begin[1], size[0], size[1]])
+        image = tf.image.decode_and_crop_jpeg(jpeg, window, channels=3)
         image = tf.image.resize(tf.cast(image, tf.float32), (image_size, image_size))
-        return tf.image.random_flip_left_right(image)
+        return tf.image.stateless_random_flip_left_right(image, seed=draw + 1)
 
     return crop

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfscale import _tf_private
 from tfscale import collectives
 from tfscale import evaluator
+from tfscale import uneven_data
 from tfscale import jit_compile
 from tfscale import keras_callbacks
 from tfscale import optimizers
@@ -294,11 +295,15 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
             waits for the other workers to start before it raises
             `tfscale.StartupError` naming them; `None` waits as long as it
             takes. See `tfscale.startup.wait_for_peers`.
+        barrier_timeout_seconds: how long a later strategy waits for every
+            worker to build it; default: `communication_options`' timeout,
+            else an hour.
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None,
                  time_all_reduces=False,
-                 startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS):
+                 startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
+                 barrier_timeout_seconds=None):
         _check_startup_timeout(startup_timeout_seconds)
         _tf_private.check_versions()
         if evaluator.is_evaluator_task(cluster_resolver):
@@ -309,10 +314,14 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
                 "checkpoints with `tfscale.evaluator.CheckpointEvaluator`.")
         # Keras's BackupAndRestore refused, its file writers chief-only.
         keras_callbacks.install()
+        # Keras builds the model from this worker's first batch, not from a
+        # cross-worker mean that fails on batches of different sizes.
+        _tf_private.route_symbolic_build(_is_keras_multi_worker_strategy)
         jit_compile.install()  # refused on 2+ CPU workers, in one line
         number = _tf_private.take_collective_keys(self)
-        timeout = getattr(communication_options, "timeout_seconds", None)
-        timeout = timeout or _STARTUP_BARRIER_SECONDS
+        timeout = (barrier_timeout_seconds
+                   or getattr(communication_options, "timeout_seconds", None)
+                   or _STARTUP_BARRIER_SECONDS)
         if cluster_resolver is None:  # what MWMS would build
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if not _tf_private.cluster_connected():
@@ -322,6 +331,9 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
                 cluster_resolver.cluster_spec().as_dict(),
                 cluster_resolver.task_type, cluster_resolver.task_id,
                 startup_timeout_seconds)
+        # Nothing may run TensorFlow ops in another thread while the
+        # collective runtime is re-created (`tfscale.collectives.watchdog`).
+        collectives.watchdog.stop_all()
         # A later strategy replaces this worker's collective executor: no
         # peer may still be running collectives of the previous one, nor
         # start the new one's, while it does.
@@ -498,9 +510,11 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         self.communication = communication
         super().__init__(
             cluster_resolver=cluster_resolver,
-            communication_options=tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=communication.timeout_seconds
-            ),
+            # TensorFlow's own collectives here (variable creation, gathers)
+            # take no timeout: each timed one would hold a thread for all of
+            # it (see `tfscale.collectives.watchdog`).
+            communication_options=tf.distribute.experimental.CommunicationOptions(),
+            barrier_timeout_seconds=communication.timeout_seconds,
             time_all_reduces=communication.time_all_reduces,
             startup_timeout_seconds=startup_timeout_seconds,
         )
@@ -518,6 +532,13 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
                 min_compression_rate=communication.powersgd_min_compression_rate,
                 log_plans=self.is_chief)
         _tf_private.route_compile_loss_scaling(_compile_loss_scale_class)
+        # Each worker's loss weighted by its share of the step's examples
+        # (see `run`).
+        _tf_private.route_loss_scaling(uneven_data.scale_loss,
+                                       uneven_data.unscale_loss)
+        self._on_cpu = all(
+            tf.DeviceSpec.from_string(d).device_type == "CPU"
+            for d in _tf_private.local_devices(self))
         # Clipping and accumulation of every Keras optimizer on the
         # all-reduced gradient (see `_routes_optimizer_updates`).
         _tf_private.route_optimizer_updates(_routes_optimizer_updates)
@@ -552,10 +573,63 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             exposed_communication_seconds=self._exposed_communication_seconds,
             implementation=self._implementation,
         )
+        # tfscale's collectives keep the timeout with one thread, not one
+        # per collective.
+        self._watchdog = None
+        if communication.timeout_seconds is not None:
+            self._watchdog = collectives.watchdog.Watchdog(
+                communication.timeout_seconds, _tf_private.local_devices(self)[0],
+                _tf_private.abort_collectives)
         self._routed_ops = _tf_private.install_cross_device_ops(
-            self, self._all_reduce, timeout_seconds=communication.timeout_seconds,
-            implementation=self._implementation,
+            self, self._all_reduce, timeout_seconds=None,
+            implementation=self._implementation, watch=self._watchdog,
         )
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """`tf.distribute.Strategy.run`, with each worker's loss weighted by
+        its share of the batch's examples.
+
+        Keras's train and test steps, and custom training loops, call it with
+        this worker's part of a global batch (a `DistributedValues` from a
+        distributed dataset; plain tensors, the same on every worker, are no
+        batch and keep Keras's scaling). The parts differ in size when
+        the global batch does not divide among the workers, when it is the
+        partial last one, or when a worker has run out of data (it then gets
+        an empty batch and still joins every collective). Inside `fn` Keras
+        scales each worker's loss by `n_w / n`, its examples over the step's
+        examples on all workers, instead of `1 / num_workers`, so the summed
+        gradient is the mean over the examples that took part, as on one
+        worker (`tfscale.uneven_data`).
+        """
+        if self.num_workers > 1 and _holds_a_batch(args, kwargs):
+            keras_step = _tf_private.keras_step(fn)
+            fn = uneven_data.counting_examples(
+                fn, keras_step=keras_step,
+                model=getattr(fn, "__self__", None) if keras_step else None,
+                on_cpu=self._on_cpu)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """`tf.distribute.Strategy.distribute_datasets_from_function`, with
+        the workers agreeing on how many batches there are.
+
+        TensorFlow takes each worker's own pipeline's length as the number
+        of batches; Keras then runs that many steps, and workers whose
+        pipelines differ in length issue different collectives and fail.
+        The workers agree on the longest (one all-gather, here); those that
+        run out first get empty batches until the last one is done
+        (`tfscale.uneven_data`).
+        """
+        distributed = super().distribute_datasets_from_function(
+            dataset_fn, options=options)
+        if self.num_workers > 1:
+            mine = _tf_private.cardinality(distributed)
+            everyone = self.gather(self.experimental_distribute_values_from_function(
+                lambda _: tf.constant([mine], tf.int64)), axis=0)
+            agreed = uneven_data.agreed_cardinality(everyone.numpy())
+            if agreed is not None:
+                _tf_private.set_cardinality(distributed, agreed)
+        return distributed
 
     def _sum_over_workers(self, tensors):
         """Sums `tensors` over all workers, fused as any all-reduce, with no
@@ -645,6 +719,17 @@ def _routes_optimizer_updates(strategy):
     worker's local gradient, and accumulation fails under
     MultiWorkerMirroredStrategy."""
     return isinstance(strategy, Strategy)
+
+
+def _holds_a_batch(args, kwargs):
+    """Whether `strategy.run`'s arguments hold per-worker values (a batch of
+    a distributed dataset)."""
+    return any(isinstance(value, tf.distribute.DistributedValues)
+               for value in tf.nest.flatten((args, kwargs or {})))
+
+
+def _is_keras_multi_worker_strategy(strategy):
+    return isinstance(strategy, KerasMultiWorkerMirroredStrategy)
 
 
 def _check_powersgd(compression, rank, start_step, min_compression_rate):

@@ -8,10 +8,11 @@ r"""tfscale-bench: all-reduce and training benchmarks, and a cost-model projecti
     tfscale-bench project --measurements=docs/bench/allreduce.json
     tfscale-bench train --model=resnet50 --num_workers=4 --image_size=64 --steps=5
     tfscale-bench gpucheck
+    tfscale-bench scale --worker_counts=16 --num_workers=16 --emulate_nodes=4
 
-One module per subcommand (`allreduce`, `train`, `project`, `gpucheck`), each defining its
+One module per subcommand (`allreduce`, `train`, `project`, `gpucheck`, `scale`), each defining its
 own flags when it is chosen: `tfscale-bench allreduce --help` lists what
-`allreduce` takes. `allreduce`, `train` and `gpucheck` start their workers through
+`allreduce` takes. `allreduce`, `train`, `gpucheck` and `scale` start their workers through
 tfscale-launch (`cluster.launch_workers`); each worker process runs
 `python -m launch.bench.worker SPEC`.
 """
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
     "train": "training throughput, scaling efficiency, exposed communication",
     "project": "fit the alpha-beta cost model; project to the paper's hardware",
     "gpucheck": "run first on GPUs: each algorithm via NCCL and ring, sums checked",
+    "scale": "start-up and memory per worker count; every algorithm trains as one worker",
 }
 
 

@@ -1,4 +1,4 @@
-"""One worker process of `allreduce` or `train`: `python -m launch.bench.worker SPEC`.
+"""One worker process of a tfscale-bench subcommand: `python -m launch.bench.worker SPEC`.
 
 tfscale-launch starts N of these with their TF_CONFIG (cluster.launch_workers).
 Each reads the spec its subcommand wrote, measures, and writes its result to
@@ -15,6 +15,7 @@ _MEASURES = {
     "allreduce": "launch.bench.allreduce_worker",
     "train": "launch.bench.train_worker",
     "gpucheck": "launch.bench.gpucheck_worker",
+    "scale": "launch.bench.scale_worker",
 }
 
 

@@ -71,19 +71,18 @@ def test_unwritable_directories(tmp_path, flag):
 
 
 def test_bad_input_found_after_start_up_is_one_line_on_every_worker(tmp_path):
-    """As a new user tries it: 64 examples per step cannot split over 3."""
+    """As a new user tries it: a global batch larger than the training split."""
     process = subprocess.run(
         ["tfscale-launch", "--num_workers=3", "--timeout=240", "--",
-         "tfscale-train", "--global_batch_size=64",
+         "tfscale-train", "--global_batch_size=2000",
          f"--export_dir={tmp_path / 'export'}", f"--model_dir={tmp_path / 'model'}"],
         cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=300,
     )
     assert process.returncode not in (0, 124), process.stdout[-4000:]
     assert "Traceback" not in process.stdout, process.stdout[-4000:]
-    message = ("tfscale-train: `global_batch_size` must be divisible by the "
-               "number of workers (3), so that every worker gets an equal "
-               "batch. Received: global_batch_size=64; use e.g. 63.")
+    message = ("tfscale-train: The 'train' split has 1437 examples, fewer than "
+               "one global batch. Received: global_batch_size=2000; use at most 1437.")
     for index in range(3):
         lines = [line for line in process.stdout.splitlines()
                  if line.startswith(f"[worker {index}]") and "tfscale-train:" in line]

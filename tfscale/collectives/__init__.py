@@ -13,6 +13,7 @@ Pure tensor functions, and the plan that ties them together for
 - `plan`: per fused bucket, the algorithm and its chunking.
 - `powersgd`: gradient matrices as low-rank factors, with error feedback.
 - `all_reduce`: `AllReduce` carries a plan out on this worker's groups.
+- `watchdog`: the collective timeout, kept by one thread per worker.
 """
 
 from tfscale.collectives import algorithms
@@ -22,6 +23,7 @@ from tfscale.collectives import fusion
 from tfscale.collectives import implementation
 from tfscale.collectives import powersgd
 from tfscale.collectives import topology
+from tfscale.collectives import watchdog
 from tfscale.collectives.algorithms import Groups
 from tfscale.collectives.all_reduce import AllReduce
 from tfscale.collectives.all_reduce import fused_all_reduce

@@ -1,0 +1,110 @@
+"""The collective timeout, kept by one thread per worker.
+
+TensorFlow's own timeout of a collective op (its `timeout` argument) keeps
+each op's deadline on a thread of its own that sleeps for the whole timeout
+(`Env::SchedClosureAfter` in tsl's POSIX env: "Consuming a thread here is
+wasteful"). A worker issuing a few hundred collectives a second under a 300 s
+timeout holds tens of thousands of sleeping threads: measured, 6 more threads
+per step of a small model on 3 workers, and 7 workers on 2 cores died with
+"Resource temporarily unavailable" when creating the next one.
+
+So tfscale's collectives run without TensorFlow's timeout. Each counts itself
+issued (once its input is ready) and completed in two int64 variables, and
+one thread per worker reads them every second: when collectives are pending
+and none has completed for `timeout_seconds`, it aborts this worker's
+collective ops, as TensorFlow's own health check does on a lost peer, and
+every pending collective fails with a message naming the timeout. A dead or
+stopped peer is noticed sooner, by TensorFlow's heartbeats; the timeout
+bounds the rest (a peer alive but stuck, or issuing other collectives).
+
+Building a new strategy re-creates this process's collective runtime, which
+must not happen while another thread runs TensorFlow ops (seen: "Mutex
+corrupt" and an abort, with 16 workers): `stop_all` stops every watchdog
+first, and the new strategy starts its own.
+"""
+
+import threading
+import time
+
+import tensorflow as tf
+
+# How often the watchdog thread reads the counters.
+POLL_SECONDS = 1.0
+# The watchdogs whose threads run.
+_running = []
+
+
+def stop_all():
+    """Stops every watchdog of this process and waits until none reads its
+    counters (before TensorFlow's collective runtime is re-created)."""
+    while _running:
+        _running.pop().stop()
+
+
+class Watchdog:
+    """Aborts this worker's collectives once pending ones have waited
+    `timeout_seconds` with none completing.
+
+    Args:
+        timeout_seconds: the collective timeout, > 0.
+        device: this worker's device, where the counters live.
+        abort: `fn(message)` that fails every pending and later collective of
+            this process with `message` (`_tf_private.abort_collectives`).
+        poll_seconds: how often the counters are read.
+    """
+
+    def __init__(self, timeout_seconds, device, abort, poll_seconds=POLL_SECONDS):
+        self.timeout_seconds = timeout_seconds
+        self._abort = abort
+        self._poll_seconds = poll_seconds
+        with tf.device(device), tf.init_scope():
+            self.issued = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="collectives_issued")
+            self.completed = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="collectives_completed")
+        self.aborted_with = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="tfscale-collective-watchdog")
+        self._thread.start()
+        _running.append(self)
+
+    def __call__(self, issue, inputs=()):
+        """`issue()` (a collective op), counted: issued once `inputs` are
+        ready, completed once its results are."""
+        with tf.control_dependencies(list(inputs)):
+            issued = self.issued.assign_add(1)
+        with tf.control_dependencies([issued]):
+            result = issue()
+        with tf.control_dependencies(tf.nest.flatten(result)):
+            self.completed.assign_add(1)
+        return result
+
+    def pending(self):
+        """Collectives issued and not completed on this worker."""
+        completed = int(self.completed.numpy())
+        return int(self.issued.numpy()) - completed, completed
+
+    def stop(self):
+        """Stops the thread, and returns once it has ended."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _watch(self):
+        last_completed, since = None, time.monotonic()
+        while not self._stop.wait(self._poll_seconds):
+            pending, completed = self.pending()
+            now = time.monotonic()
+            if pending <= 0 or completed != last_completed:
+                last_completed, since = completed, now
+                continue
+            if now - since >= self.timeout_seconds:
+                self.aborted_with = (
+                    f"tfscale: {pending} collective(s) of this worker waited "
+                    f"{self.timeout_seconds:g} s for the other workers with none "
+                    "completing (the collective timeout, "
+                    "CommunicationOptions.timeout_seconds): another worker is "
+                    "hung, far behind, or issuing other collectives.")
+                self._abort(self.aborted_with)
+                return
