@@ -105,8 +105,9 @@ def test_a_custom_loop_step_with_an_empty_batch_is_refused_on_every_worker(worke
     num_workers, results = workers
     for result in results:
         error = result["custom_loop_empty_tail"]["error"]
-        assert (f"tfscale: this step of a custom training loop gives "
-                f"{num_workers - 1} worker(s) an empty batch") in error, error
+        assert ("tfscale: this step of a custom training loop has 1 example(s) "
+                f"for {num_workers} workers, and {num_workers - 1} worker(s) get "
+                "none (this worker holds ") in error, error
         assert "Give every worker the same number of batches" in error
 
 

@@ -173,14 +173,16 @@ def _refuse_empty_batches(step, args, kwargs):
     """`(args, kwargs)`, which every worker may only use once no worker's
     batch is empty; all workers stop at the same step if one is."""
     empty = step.workers_without_examples()
+    workers = tf.distribute.get_replica_context().num_replicas_in_sync
     message = tf.strings.format(
-        "tfscale: this step of a custom training loop gives {} worker(s) an "
-        "empty batch (this worker's holds {} examples), and a model cannot run "
-        "on an empty batch on CPU (TensorFlow's oneDNN convolutions and "
-        "BatchNormalization fail). Give every worker the same number of "
-        "batches (e.g. Dataset.repeat() and a fixed number of steps), or train "
-        "with Keras's fit, which pads such a batch.",
-        [tf.cast(empty, tf.int32), tf.cast(step.count, tf.int32)])
+        "tfscale: this step of a custom training loop has {} example(s) "
+        "for %d workers, and {} worker(s) get none (this worker "
+        "holds {}); a model cannot run on an empty batch on CPU (TensorFlow's "
+        "oneDNN convolutions and BatchNormalization fail). Give every worker "
+        "the same number of batches (e.g. Dataset.repeat() and a fixed number "
+        "of steps), or train with Keras's fit, which pads such a batch." % workers,
+        [tf.cast(step.total(), tf.int32), tf.cast(empty, tf.int32),
+         tf.cast(step.count, tf.int32)])
     check = tf.debugging.Assert(empty == 0, [message])
     with tf.control_dependencies([check]):
         return tf.nest.map_structure(

@@ -74,6 +74,8 @@ def time_pipeline(make, batches):
         images, _ = next(iterator)
         count += int(images.shape[0])
     seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    if not count:
+        return None, None, first
     return count / seconds, 1000 * cpu / count, first
 
 
