@@ -14,7 +14,7 @@ setuptools.setup(
     python_requires=">=3.10",
     packages=setuptools.find_packages(include=["tfscale*", "models*", "launch*"]),
     # Pinned to what the tests run against: tfscale relies on private
-    # TensorFlow/Keras hooks (tfscale/_tf_private.py) that move between releases.
+    # TensorFlow/Keras hooks (tfscale/_private/) that move between releases.
     # GPU users: install the `tensorflow` build of the same version instead of
     # `tensorflow-cpu` (see README).
     install_requires=[

@@ -136,13 +136,30 @@ def strategy_from_flags():
             hybrid_threshold_bytes=FLAGS.hybrid_threshold_bytes,
             local_size=FLAGS.local_size,
             compression=FLAGS.compression,
-            powersgd_rank=FLAGS.powersgd_rank,
-            powersgd_start_step=FLAGS.powersgd_start_step,
+            powersgd=powersgd_options(),
             timeout_seconds=FLAGS.collective_timeout,
             implementation=FLAGS.implementation,
         ),
         startup_timeout_seconds=FLAGS.startup_timeout or None,
     )
+
+
+def powersgd_options():
+    """`PowerSGDOptions` of --powersgd_rank and --powersgd_start_step (the
+    defaults where not given) under --compression=powersgd, else None."""
+    import tfscale
+
+    given = {name: value for name, value in (
+        ("rank", FLAGS.powersgd_rank), ("start_step", FLAGS.powersgd_start_step))
+        if value is not None}
+    if FLAGS.compression != "powersgd":
+        if given:
+            flag = f"powersgd_{next(iter(given))}"
+            raise BadInputError(
+                f"--{flag} only applies to --compression=powersgd; this is "
+                f"--compression={FLAGS.compression}. Received: --{flag}={FLAGS[flag].value}")
+        return None
+    return tfscale.PowerSGDOptions(**given)
 
 
 EVAL_SPLITS = {"digits": "test", "imagenet": "validation"}
@@ -156,7 +173,7 @@ class DataPlan:
     image_size: int
     steps_per_epoch: int  # fit steps: micro-batches with --accumulation_steps
     eval_split: str  # None: no evaluation split
-    phases: tuple = ()  # tfscale.batch_schedule.Phase, one per --batch_schedule phase
+    phases: tuple = ()  # tfscale.batch_growth.Phase, one per --batch_schedule phase
 
     @property
     def final_step(self):
@@ -166,7 +183,7 @@ class DataPlan:
 
 def check_data():
     """`DataPlan` of the flags; raises ValueError if the data cannot feed them."""
-    from tfscale import batch_schedule
+    from tfscale import batch_growth
     from tfscale import data
     from tfscale import recipes
 
@@ -176,7 +193,7 @@ def check_data():
                          or train_examples // FLAGS.global_batch_size)
     if FLAGS.batch_schedule and updates_per_epoch:
         # Every phase, named: before the first phase's unnamed checks.
-        batch_schedule.check_phases(
+        batch_growth.check_phases(
             recipes.batch_phases(train_flags.settings_from_flags(),
                                  FLAGS.global_batch_size, updates_per_epoch,
                                  FLAGS.epochs),
@@ -242,7 +259,7 @@ def distributed(strategy, data_plan, split, start_step=0, phase=None):
 
 def check_resume_settings(settings, data_plan):
     """Refuses to resume from checkpoints trained with other settings."""
-    from tfscale import batch_schedule
+    from tfscale import batch_growth
     from tfscale import checkpoint
     from tfscale import recipes
 
@@ -250,7 +267,7 @@ def check_resume_settings(settings, data_plan):
         recipes.check_settings_unchanged(
             FLAGS.model_dir, settings, train_flags.training_defaults(),
             **train_flags.training_from_flags())
-        batch_schedule.check_record(
+        batch_growth.check_record(
             data_plan.phases, checkpoint.state(FLAGS.model_dir),
             FLAGS.accumulation_steps)
 
@@ -290,7 +307,7 @@ def build_model(strategy, settings, data_plan, restore=True):
 
 def fit_callbacks(strategy, phases):
     """The callbacks of every fit: safety, progress, statistics, checkpoints."""
-    from tfscale import batch_schedule
+    from tfscale import batch_growth
     from tfscale import callbacks
 
     result = [
@@ -306,9 +323,9 @@ def fit_callbacks(strategy, phases):
         record = None
         if FLAGS.batch_schedule:  # each checkpoint names its phase
             def record(step):
-                return batch_schedule.phase_record(
+                return batch_growth.phase_record(
                     phases, step, FLAGS.accumulation_steps)
-        result.append(callbacks.BackupAndResume(
+        result.append(callbacks.TrainingCheckpoint(
             FLAGS.model_dir, strategy, FLAGS.checkpoint_steps, record=record))
     return result
 
@@ -316,14 +333,14 @@ def fit_callbacks(strategy, phases):
 def fit_with_resume(model, strategy, data_plan, start_step):
     """Trains from `start_step` to the end of `--epochs`: one fit per batch
     phase (and one to finish an epoch a resumed run starts inside)."""
-    from tfscale import batch_schedule
+    from tfscale import batch_growth
 
     verbose = FLAGS.verbose
     if verbose == "auto":
         verbose = 1 if sys.stdout.isatty() else 2
     callbacks = fit_callbacks(strategy, data_plan.phases)
     eval_split = data_plan.eval_split
-    for part in batch_schedule.fit_parts(
+    for part in batch_growth.fit_parts(
             data_plan.phases, start_step, FLAGS.accumulation_steps):
         fit_batch = part.phase.global_batch_size // FLAGS.accumulation_steps
         for callback in callbacks:  # images/second of this phase's batch

@@ -1,6 +1,63 @@
-"""Makes the shared test helpers (multiworker.py) importable from subfolders."""
+"""Shared test set-up: the helpers (multiworker.py) importable from
+subfolders, and the two tiers.
+
+A test that starts a worker process (a Python interpreter, tfscale-train,
+tfscale-launch, tfscale-bench) is marked `multiworker`: its module sets
+`pytestmark = pytest.mark.multiworker`, or the test carries the mark itself.
+`python -m pytest tests -m "not multiworker"` runs the rest, in a few minutes,
+while working. Unmarked tests that start such a process fail, naming the mark,
+so the fast tier stays fast and the marks stay true.
+"""
 
 import os
+import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Commands that start a worker process (the first word's basename).
+_WORKER_COMMANDS = ("python", "tfscale-train", "tfscale-launch", "tfscale-bench")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "multiworker: starts worker processes (a Python interpreter, "
+        "tfscale-train, tfscale-launch, tfscale-bench); deselect with "
+        '-m "not multiworker" for the fast tier')
+
+
+def _starts_a_worker(args):
+    command = args if isinstance(args, str) else (args[0] if args else "")
+    first = os.path.basename(str(command).split()[0] if isinstance(args, str) else str(command))
+    return first.startswith(_WORKER_COMMANDS) or first == os.path.basename(sys.executable)
+
+
+_running = [None]  # the test being set up, run or torn down
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item
+    try:
+        yield
+    finally:
+        _running[0] = None
+
+
+def pytest_sessionstart(session):
+    """Refuses worker processes to unmarked tests, their fixtures included."""
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        item = _running[0]
+        if (item is not None and not item.get_closest_marker("multiworker")
+                and _starts_a_worker(args)):
+            raise AssertionError(
+                f"{item.nodeid} starts a worker process ({args!r}): mark it "
+                "(or its module: pytestmark = pytest.mark.multiworker) so the "
+                'fast tier (-m "not multiworker") leaves it out')
+        original(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded

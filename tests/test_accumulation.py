@@ -5,7 +5,7 @@ Keras 3.15 clips each worker's LOCAL gradient before the all-reduce, and its
 `cond`, where `merge_call` fails. Under `tfscale.Strategy` every Keras
 optimizer all-reduces first, then clips, and accumulates local gradients
 with one all-reduce per accumulated step
-(`_tf_private.route_optimizer_updates`).
+(`keras_hooks.route_optimizer_updates`).
 
 The multi-worker tests start real workers (tests/workers/accumulation_worker.py),
 each training several small classifiers one after another, and compare:
@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 import tfscale
-from tfscale import _tf_private
+from tfscale._private import keras_hooks
 from tests import multiworker
 
 STEPS = 3
@@ -64,7 +64,7 @@ def test_hook_is_installed_on_keras_optimizers_and_accumulates_in_one_process():
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9,
                                          gradient_accumulation_steps=4)
         model.compile(optimizer=optimizer, loss="mse")
-    assert _tf_private.optimizer_updates_routed(optimizer)
+    assert keras_hooks.optimizer_updates_routed(optimizer)
     micro_batches = tf.data.Dataset.from_tensor_slices(
         (x.reshape(12, 2, 3), y.reshape(12, 2, 2)))
     model.fit(micro_batches, epochs=1, verbose=0)
@@ -88,6 +88,7 @@ def _run(tmp_path, num_workers, runs, strategy="tfscale", global_batch=16):
     return chief
 
 
+@pytest.mark.multiworker
 def test_two_workers_accumulating_4_micro_batches_train_like_one_step_of_4x(tmp_path):
     """2 workers, 4 micro-batches of 2 per worker and step against 1 batch of
     8 per worker: same weights to float32 rounding, and ONE gradient
@@ -113,6 +114,7 @@ def test_two_workers_accumulating_4_micro_batches_train_like_one_step_of_4x(tmp_
                            results[runs[2]]["weights"]) > 1e-3
 
 
+@pytest.mark.multiworker
 def test_clipping_on_two_workers_means_what_it_means_on_one(tmp_path):
     """clipnorm, global_clipnorm and clipvalue clip the all-reduced gradient:
     2 workers end where 1 worker ends at the same global batch, within
@@ -142,6 +144,7 @@ def _train(args, cwd, timeout=300):
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+@pytest.mark.multiworker
 def test_tfscale_train_accumulation_steps(tmp_path):
     """2 workers, --global_batch_size=32 --accumulation_steps=2: 2 micro-batches
     of 16 (8 per worker) per update; the checkpoint holds 8 fit steps and 4
@@ -168,6 +171,7 @@ def test_tfscale_train_accumulation_steps(tmp_path):
     assert sum(not np.any(v) for v in accumulators) >= len(shapes)
 
 
+@pytest.mark.multiworker
 def test_tfscale_train_refuses_micro_batches_that_do_not_divide(tmp_path):
     process = _train([sys.executable, "-m", "launch.train", "--global_batch_size=32",
                       "--accumulation_steps=3", "--export_dir="], cwd=tmp_path,

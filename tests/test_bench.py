@@ -16,6 +16,9 @@ import pytest
 from launch.bench import report
 from multiworker import REPO_ROOT
 
+pytestmark = pytest.mark.multiworker
+
+
 
 def _env():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

@@ -234,12 +234,14 @@ def _abs_sum64(results, key):
             for i in range(count)]
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers,nodes", [(4, [[0, 1], [2, 3]]), (3, [[0, 1], [2]])])
 def test_workers_are_grouped_into_nodes_by_local_size(all_reduce_runs, num_workers, nodes):
     for result in all_reduce_runs[num_workers].results:
         assert result["nodes"] == nodes
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [4, 3])
 def test_every_algorithm_sums_integer_valued_floats_exactly(all_reduce_runs, num_workers):
     results = all_reduce_runs[num_workers].results
@@ -254,6 +256,7 @@ def test_every_algorithm_sums_integer_valued_floats_exactly(all_reduce_runs, num
                 np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [4, 3])
 def test_every_algorithm_is_within_float32_rounding_of_the_float64_sum(
         all_reduce_runs, num_workers):
@@ -268,6 +271,7 @@ def test_every_algorithm_is_within_float32_rounding_of_the_float64_sum(
             assert result["real"][name] == reduced, name
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [4, 3])
 def test_chunked_and_padded_algorithms_sum_exactly(all_reduce_runs, num_workers):
     results = all_reduce_runs[num_workers].results
@@ -282,6 +286,7 @@ def test_chunked_and_padded_algorithms_sum_exactly(all_reduce_runs, num_workers)
             np.testing.assert_array_equal(got, expected, err_msg=key)
 
 
+@pytest.mark.multiworker
 def test_hybrid_plan_mixes_hierarchical_and_ring(all_reduce_runs):
     plans = all_reduce_runs[4].results[0]["plans"]
     # Buckets, last tensors first: the 1000-element one (4,132 bytes) is
@@ -291,6 +296,7 @@ def test_hybrid_plan_mixes_hierarchical_and_ring(all_reduce_runs):
     assert {p[0] for p in plans["2d"]} == {"2d"}
 
 
+@pytest.mark.multiworker
 def test_hybrid_under_a_fitted_cost_model_follows_its_prediction(all_reduce_runs):
     # CommunicationOptions(algorithm="hybrid", cost_model=fitted) -> Strategy:
     # the 32 MiB bucket goes by whichever the fitted model predicts faster
@@ -307,6 +313,7 @@ def test_hybrid_under_a_fitted_cost_model_follows_its_prediction(all_reduce_runs
         assert num_chunks == fitted.best_num_chunks("hierarchical", size, (2, 2))
 
 
+@pytest.mark.multiworker
 def test_3_workers_refuse_2d_clearly(all_reduce_runs):
     for result in all_reduce_runs[3].results:
         assert set(result["refused"]) == {"2d"}
@@ -315,6 +322,7 @@ def test_3_workers_refuse_2d_clearly(all_reduce_runs):
 
 @pytest.mark.parametrize("wire,unit", [
     ("bfloat16", 2.0**-8), ("float16", 2.0**-11), ("2d/bfloat16", 2.0**-8)])
+@pytest.mark.multiworker
 def test_compressed_error_is_within_n_roundings(all_reduce_runs, wire, unit):
     results = all_reduce_runs[4].results
     n = len(results)
@@ -339,6 +347,7 @@ def test_compressed_error_is_within_n_roundings(all_reduce_runs, wire, unit):
     assert worst > 100 * F32_U
 
 
+@pytest.mark.multiworker
 def test_float16_does_not_overflow_where_the_sum_exceeds_65504(all_reduce_runs):
     results = all_reduce_runs[4].results
     inputs = np.sum([r["extreme_inputs"][0] for r in results], axis=0)
@@ -350,6 +359,7 @@ def test_float16_does_not_overflow_where_the_sum_exceeds_65504(all_reduce_runs):
     assert got[2] == 0.0
 
 
+@pytest.mark.multiworker
 def test_plans_are_logged_once_on_the_chief_only(all_reduce_runs):
     output = all_reduce_runs[4].output
     lines = [l for l in output.splitlines() if "tfscale all-reduce of" in l]
@@ -366,6 +376,7 @@ def test_plans_are_logged_once_on_the_chief_only(all_reduce_runs):
 HALVING_DOUBLING_RUNS = {2: 1, 5: 2, 8: 4}
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", list(HALVING_DOUBLING_RUNS))
 def test_halving_doubling_sums_exactly_and_alike_on_any_number_of_workers(
         tmp_path, num_workers):
@@ -426,6 +437,7 @@ def _flat(weights):
     return np.concatenate([np.asarray(w, np.float32).ravel() for w in weights])
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [4, 3])
 def test_fit_gives_bitwise_identical_weights_on_all_workers(fit_runs, num_workers):
     results = fit_runs[num_workers].results
@@ -440,6 +452,7 @@ def test_fit_gives_bitwise_identical_weights_on_all_workers(fit_runs, num_worker
                 _flat(result["results"][config]["weights"]), weights, err_msg=config)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [4, 3])
 def test_fit_with_each_algorithm_matches_ring(fit_runs, num_workers):
     results = fit_runs[num_workers].results[0]["results"]
@@ -459,6 +472,7 @@ def test_fit_with_each_algorithm_matches_ring(fit_runs, num_workers):
                                    rtol=0.05)
 
 
+@pytest.mark.multiworker
 def test_fit_hybrid_uses_both_algorithms_and_the_chief_logs_it(fit_runs):
     plans = fit_runs[4].results[0]["plans"]
     assert plans["hybrid"] == ["hierarchical", "ring"]
@@ -490,6 +504,7 @@ def test_fit_hybrid_uses_both_algorithms_and_the_chief_logs_it(fit_runs):
 # ---------------------------------------------------------------- overlap
 
 
+@pytest.mark.multiworker
 def test_bucket_all_reduces_overlap_backprop(tmp_path):
     """Tensor fusion's point, timed inside the step: the first bucket (the
     last layers) is summed while backprop is still producing the gradients of

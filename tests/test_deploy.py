@@ -333,6 +333,7 @@ def wait_all(processes, tmp_path, timeout=300):
     return outputs
 
 
+@pytest.mark.multiworker
 def test_tfjob_command_trains_on_chief_and_worker_and_the_evaluator_follows(tmp_path):
     tfjob = tfjob_documents()["TFJob"]
     args = tiny(containers(tfjob)["Chief"]["args"], tmp_path / "shared")
@@ -353,6 +354,7 @@ def test_tfjob_command_trains_on_chief_and_worker_and_the_evaluator_follows(tmp_
             "accuracy=") in outputs["evaluator", 0], outputs["evaluator", 0][-3000:]
 
 
+@pytest.mark.multiworker
 def test_slurm_command_trains_on_two_tasks_of_one_node(tmp_path):
     _, _, command = slurm_script()
     assert command[0] == "tfscale-train"

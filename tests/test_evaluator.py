@@ -136,6 +136,7 @@ def test_a_missing_checkpoint_that_was_not_pruned_is_an_error(tmp_path):
         sidecar.run()
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
 def test_a_waiting_evaluator_stops_on_ctrl_c_and_sigterm(tmp_path, signal_number):
     script = ("from tfscale import evaluator\n"

@@ -22,6 +22,9 @@ from multiworker import cluster_tf_configs
 from multiworker import start_process
 from multiworker import worker_env
 
+pytestmark = pytest.mark.multiworker
+
+
 EPOCHS, STEPS_PER_EPOCH = 2, 5
 FINAL_STEP = EPOCHS * STEPS_PER_EPOCH
 FC_UNITS = 16

@@ -1,9 +1,13 @@
 """`Strategy.exposed_communication_seconds`: each step's wait on all-reduces."""
 
+import pytest
 import statistics
 
 from multiworker import assert_succeeded
 from multiworker import run_workers
+
+pytestmark = pytest.mark.multiworker
+
 
 DELAY = 1.0
 

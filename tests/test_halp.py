@@ -366,6 +366,7 @@ def test_variance_reduced_model_argument_errors():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.multiworker
 def test_two_workers_keep_identical_weights_and_sum_every_shard_into_the_full_gradient(
         tmp_path):
     run = multiworker.run_workers("halp_worker.py", 2, tmp_path, timeout=180)

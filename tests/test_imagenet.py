@@ -18,6 +18,9 @@ from multiworker import pids_with_env
 from multiworker import saved_step
 from multiworker import worker_env
 
+pytestmark = pytest.mark.multiworker
+
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

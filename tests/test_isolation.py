@@ -16,6 +16,9 @@ import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, netns_not_permitted_reason
 
+pytestmark = pytest.mark.multiworker
+
+
 LISTENING_WORKER = os.path.join(WORKERS_DIR, "listening_worker.py")
 LAUNCH_PROBE = os.path.join(WORKERS_DIR, "launch_probe.py")
 

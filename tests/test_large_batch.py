@@ -1,8 +1,12 @@
 """Smoke test of launch/studies/large_batch.py: tiny settings, real digits."""
 
+import pytest
 import os
 import subprocess
 import sys
+
+pytestmark = pytest.mark.multiworker
+
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

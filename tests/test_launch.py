@@ -15,6 +15,8 @@ from multiworker import REPO_ROOT
 from multiworker import netns_not_permitted_reason
 from multiworker import WORKERS_DIR
 
+pytestmark = pytest.mark.multiworker
+
 PROBE = os.path.join(WORKERS_DIR, "launch_probe.py")
 
 
@@ -99,6 +101,7 @@ def launch_with_taken_port(mode, taken_attempts):
         script = f"""
 import sys
 from launch import local
+
 attempts = []
 def pick_ports(host, count):
     attempts.append(count)

@@ -94,7 +94,7 @@ def test_one_process_skips_a_non_finite_step_and_halves_the_scale():
 
 
 def test_compile_wraps_in_tfscale_loss_scale_under_a_tfscale_strategy():
-    """The compile hook (_tf_private.route_compile_loss_scaling) is called:
+    """The compile hook (keras_hooks.route_compile_loss_scaling) is called:
     this fails as soon as a Keras change bypasses it."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     strategy = tfscale.Strategy()
@@ -152,6 +152,7 @@ def _assert_agreed_skip(run, initial_scale):
     assert chief["scales"] == other["scales"]
 
 
+@pytest.mark.multiworker
 def test_workers_agree_to_skip_when_one_overflows(tmp_path):
     run = multiworker.run_workers(
         "loss_scale_worker.py", 2, tmp_path,
@@ -159,6 +160,7 @@ def test_workers_agree_to_skip_when_one_overflows(tmp_path):
     _assert_agreed_skip(run, initial_scale=1024.0)
 
 
+@pytest.mark.multiworker
 def test_keras_guide_mixed_float16_fit_agrees_to_skip(tmp_path):
     """A user who follows Keras's guide (set the mixed_float16 policy, compile
     a plain SGD) gets tfscale's agreed skip under tfscale.Strategy."""
@@ -169,6 +171,7 @@ def test_keras_guide_mixed_float16_fit_agrees_to_skip(tmp_path):
     _assert_agreed_skip(run, initial_scale=2.0**15)
 
 
+@pytest.mark.multiworker
 def test_keras_loss_scale_deadlocks_when_one_worker_overflows(tmp_path):
     """The failure tfscale's LossScaleOptimizer fixes: Keras's own, which
     compile picks for the Keras-guide program under stock MWMS."""
@@ -187,6 +190,7 @@ def test_keras_loss_scale_deadlocks_when_one_worker_overflows(tmp_path):
         assert len(result["weights"]) == BAD_STEP + 1
 
 
+@pytest.mark.multiworker
 def test_keras_loss_scale_optimizer_given_to_compile_is_kept_under_tfscale(tmp_path):
     """Keras's own LossScaleOptimizer given to compile explicitly is used as
     given (with the per-worker skip that deadlocks above); nothing overflows

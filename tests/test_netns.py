@@ -109,6 +109,7 @@ def results(tmp_path, num_workers):
     (["--num_workers=2", "--inter_node_rate=1mbit"],
      "--inter_node_rate/--inter_node_burst/--inter_node_latency need --emulate_nodes"),
 ])
+@pytest.mark.multiworker
 def test_bad_emulation_flags_are_clear_errors(tmp_path, args, message):
     code, out, err, pid = launch(tmp_path, *args, "--", sys.executable, LAUNCH_PROBE, "ok")
     assert code != 0
@@ -118,6 +119,7 @@ def test_bad_emulation_flags_are_clear_errors(tmp_path, args, message):
         assert namespaces_of(pid) == []
 
 
+@pytest.mark.multiworker
 def test_refuses_clearly_where_not_permitted(tmp_path):
     # Without `ip` on PATH (or without root) it cannot emulate: it says what
     # failed and how to run instead, exits non-zero, starts no worker.
@@ -166,6 +168,7 @@ def test_a_failing_ip_netns_add_is_named_and_nothing_is_left(
     assert namespaces_of(os.getpid()) == []  # the first node's namespace is gone
 
 
+@pytest.mark.multiworker
 def test_a_bad_rate_is_named_and_nothing_is_left(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
@@ -178,6 +181,7 @@ def test_a_bad_rate_is_named_and_nothing_is_left(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 def test_each_worker_has_its_node_address(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
@@ -202,6 +206,7 @@ def test_each_worker_has_its_node_address(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 def test_inter_node_link_is_rate_limited(permitted, tmp_path):
     links = root_links()
     pairs = ["2>0", "1>3", "0>1", "3>2"]  # node1->node0, node0->node1, intra, intra
@@ -226,6 +231,7 @@ def test_inter_node_link_is_rate_limited(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 def test_three_nodes_share_a_rate_limited_bridge(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
@@ -243,6 +249,7 @@ def test_three_nodes_share_a_rate_limited_bridge(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 def test_cleanup_after_a_failed_worker(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
@@ -254,6 +261,7 @@ def test_cleanup_after_a_failed_worker(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 def test_cleanup_after_timeout(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
@@ -265,6 +273,7 @@ def test_cleanup_after_timeout(permitted, tmp_path):
     assert_nothing_left(pid, out, links)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_cleanup_after_the_launcher_is_signalled(permitted, tmp_path, signum):
     links = root_links()
@@ -284,6 +293,7 @@ def test_cleanup_after_the_launcher_is_signalled(permitted, tmp_path, signum):
     assert_nothing_left(process.pid, "".join(lines) + out, links)
 
 
+@pytest.mark.multiworker
 def test_namespaces_of_a_dead_launcher_are_removed(permitted, tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -301,6 +311,7 @@ def test_namespaces_of_a_dead_launcher_are_removed(permitted, tmp_path):
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
 
 
+@pytest.mark.multiworker
 def test_restarts_reuse_the_nodes_on_fresh_ports(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(

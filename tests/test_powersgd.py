@@ -69,6 +69,7 @@ def powersgd_fit_run(tmp_path_factory):
     return run, backup_dir
 
 
+@pytest.mark.multiworker
 def test_two_workers_match_the_numpy_reference_over_several_steps(powersgd_fit_run):
     """P = sum M Q (Q orthogonalized), P orthogonalized, Q = sum M^T P, the
     sum approximated by P Q^T, each worker's error M - P Q^T / 2 added to its
@@ -139,7 +140,8 @@ def test_trains_under_mixed_precision_with_lars(policy):
         keras.mixed_precision.set_global_policy(policy)
         for compression in (None, "powersgd"):
             options = {} if compression is None else dict(
-                compression="powersgd", powersgd_rank=1, powersgd_start_step=0)
+                compression="powersgd",
+                powersgd=tfscale.PowerSGDOptions(rank=1, start_step=0))
             strategy = tfscale.Strategy(tfscale.CommunicationOptions(**options))
             keras.utils.set_random_seed(0)
             with strategy.scope():
@@ -165,8 +167,9 @@ def test_trains_under_mixed_precision_with_lars(policy):
     assert not np.array_equal(results[None], results["powersgd"])
 
 
+@pytest.mark.multiworker
 def test_two_workers_start_step_and_bitwise_resume(powersgd_fit_run):
-    """2 workers, LARS, rank 2 from step 3 (powersgd_start_step=2): weights
+    """2 workers, LARS, rank 2 from step 3 (start_step=2): weights
     bitwise equal on both workers; the first 2 steps bitwise equal to the
     uncompressed run, the third not; each worker keeps its own error
     feedback; stopped after 4 steps and resumed from the backup of step 3,
@@ -214,7 +217,8 @@ def test_checkpoint_keeps_each_workers_state_and_resets_on_another_count(
     a 1-worker run zero error feedback and worker 0's Q (with a warning)."""
     from tfscale import checkpoint
 
-    options = tfscale.CommunicationOptions(compression="powersgd", powersgd_rank=2)
+    options = tfscale.CommunicationOptions(
+        compression="powersgd", powersgd=tfscale.PowerSGDOptions(rank=2))
     strategy = tfscale.Strategy(options)
     model = _compiled_model(strategy)
     with strategy.scope():

@@ -1,8 +1,12 @@
 """Smoke test of launch/studies/precision_speed.py: one tiny step per precision."""
 
+import pytest
 import os
 import subprocess
 import sys
+
+pytestmark = pytest.mark.multiworker
+
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,6 @@
-"""No reach-ins: only tfscale/_tf_private.py touches private TensorFlow/Keras
-attributes or their path conventions (README, "Layout").
+"""No reach-ins: only tfscale/_private/ touches private TensorFlow/Keras
+attributes or their path conventions (README, "Layout"); and it imports
+nothing of tfscale.
 
 Reads every .py file of tfscale/, launch/, models/ and tests/ (code, and the
 scripts tests hold in strings) and names each `obj._name` with file:line, except:
@@ -7,10 +8,11 @@ scripts tests hold in strings) and names each `obj._name` with file:line, except
 - `obj._name` where this file itself defines `_name` (a module-level
   `_name = ...`, `def _name`, `class _Name`, or `self._name = ...`): its own
   module-private names, which the module may use on its own objects;
-- inside tfscale/, `tfscale._module`: the package's own private modules
-  (tfscale imports `_tf_private` that way).
+- inside tfscale/ and tests/, `tfscale._module`: the package's own private
+  modules and packages (tfscale imports `_private` that way, and its tests
+  test it).
 `super()._name` is a hit: overriding a TensorFlow/Keras private method belongs
-in _tf_private.py. Also named: `getattr`/`setattr`/`hasattr` with a private
+in tfscale/_private/. Also named: `getattr`/`setattr`/`hasattr` with a private
 name, and Keras's private variable-path conventions.
 """
 
@@ -22,7 +24,7 @@ import tokenize
 from multiworker import REPO_ROOT
 
 FOLDERS = ("tfscale", "launch", "models", "tests")
-ALLOWED_FILE = os.path.join("tfscale", "_tf_private.py")
+ALLOWED_FOLDER = os.path.join("tfscale", "_private") + os.sep
 SELF = os.path.join("tests", "test_private_api.py")
 PRIVATE = re.compile(r"_[a-z]\w*")
 # In string literals (child scripts): `name._attr` or `name()._attr`.
@@ -50,14 +52,21 @@ def own_names(source):
 
 
 def private_package_modules():
-    return {name[:-3] for name in os.listdir(os.path.join(REPO_ROOT, "tfscale"))
-            if PRIVATE.fullmatch(name[:-3] or "x") and name.endswith(".py")}
+    """`_name` of each private module (`_name.py`) or package (`_name/`)."""
+    names = set()
+    for name in os.listdir(os.path.join(REPO_ROOT, "tfscale")):
+        stem = name[:-3] if name.endswith(".py") else name
+        if PRIVATE.fullmatch(stem) and (name.endswith(".py") or os.path.isdir(
+                os.path.join(REPO_ROOT, "tfscale", name))):
+            names.add(stem)
+    return names
 
 
 def hits_in(relative, source):
     """(line number, what) of each reach-in in one file's source."""
     own = own_names(source)
-    package_private = private_package_modules() if relative.startswith("tfscale") else set()
+    package_private = (private_package_modules()
+                       if relative.startswith(("tfscale", "tests")) else set())
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
               if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT,
                                 tokenize.INDENT, tokenize.DEDENT)]
@@ -113,13 +122,13 @@ path = "dense/seed_generator_state"     # 15
     assert hits[0][1] == "super()._track" and hits[1][1] == "model._flatten_layers"
 
 
-def test_no_private_tensorflow_or_keras_access_outside_tf_private():
+def test_no_private_tensorflow_or_keras_access_outside_the_private_layer():
     hits = []
     for relative, path in python_files():
-        if relative in (ALLOWED_FILE, SELF):  # this file holds examples
+        if relative.startswith(ALLOWED_FOLDER) or relative == SELF:  # SELF: examples
             continue
         with open(path) as f:
             source = f.read()
         hits += [f"{relative}:{line}: {what}" for line, what in hits_in(relative, source)]
-    assert not hits, ("private attributes outside tfscale/_tf_private.py (move the "
+    assert not hits, ("private attributes outside tfscale/_private/ (move the "
                       "access there behind a public accessor):\n" + "\n".join(hits))

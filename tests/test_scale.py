@@ -9,6 +9,9 @@ import pytest
 
 import multiworker
 
+pytestmark = pytest.mark.multiworker
+
+
 NETNS_PROBLEM = multiworker.netns_not_permitted_reason()
 
 

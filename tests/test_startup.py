@@ -107,6 +107,7 @@ def test_startup_timeout_must_be_positive():
         tfscale.Strategy(startup_timeout_seconds=0)
 
 
+@pytest.mark.multiworker
 def test_gives_up_after_the_startup_timeout_naming_the_missing_worker(
         tmp_path, cleanup):
     addresses = two_addresses()
@@ -128,6 +129,7 @@ def test_gives_up_after_the_startup_timeout_naming_the_missing_worker(
     assert not listening(addresses[0])
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_stops_the_waiting_worker_within_seconds(tmp_path, cleanup, signum):
     addresses = two_addresses()
@@ -149,6 +151,7 @@ def test_a_signal_stops_the_waiting_worker_within_seconds(tmp_path, cleanup, sig
     assert not listening(addresses[0])
 
 
+@pytest.mark.multiworker
 def test_a_worker_that_starts_late_but_in_time_trains_with_the_other(
         tmp_path, cleanup):
     addresses = two_addresses()

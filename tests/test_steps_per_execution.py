@@ -5,7 +5,7 @@ MultiWorkerMirroredStrategy fails there with 2+ workers (`You must feed a
 value for placeholder tensor 'while/cond/Placeholder'`: the collectives'
 call-time instance key is never fed inside the loop). tfscale's strategies
 give those collectives an instance key fixed when traced
-(tfscale/_tf_private.py, `_LoopSafeLauncher`).
+(tfscale/_private/tf_collectives.py, `_LoopSafeLauncher`).
 """
 
 import numpy as np
@@ -40,6 +40,7 @@ def flat(weights):
     return np.concatenate([np.asarray(w, np.float32) for w in weights])
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("data,steps", RUNS)
 def test_every_step_runs(results, data, steps):
     for result in results:
@@ -47,6 +48,7 @@ def test_every_step_runs(results, data, steps):
         assert result[f"{data}/{STEPS_PER_EXECUTION}"]["iterations"] == steps
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("data,steps", RUNS)
 def test_workers_end_with_bitwise_identical_weights(results, data, steps):
     for spe in (1, STEPS_PER_EXECUTION):
@@ -57,6 +59,7 @@ def test_workers_end_with_bitwise_identical_weights(results, data, steps):
             assert result[key]["evaluation"] == results[0][key]["evaluation"]
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("data,steps", RUNS)
 def test_steps_per_execution_gives_the_weights_of_one_step_per_execution(
         results, data, steps):
@@ -71,9 +74,10 @@ def test_steps_per_execution_gives_the_weights_of_one_step_per_execution(
         assert many["evaluation"] == one["evaluation"]
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("data,steps", RUNS)
 def test_loop_instance_keys_are_fixed_at_trace_time(results, data, steps):
-    # The hook in tfscale/_tf_private.py (`_LoopSafeLauncher`) is what makes
+    # The hook in tfscale/_private/tf_collectives.py (`_LoopSafeLauncher`) is what makes
     # the loop work; if TensorFlow stopped calling it these lists would be
     # empty (and fit would fail as stock MWMS does).
     for result in results:

@@ -107,6 +107,7 @@ def test_one_worker_reports_its_compute_per_step_with_steps_per_execution(
 SLOW, DELAY, THRESHOLD = 1, 0.1, 1.0
 
 
+@pytest.mark.multiworker
 def test_the_worker_slowed_on_purpose_is_named_and_no_other(tmp_path):
     """3 workers; worker SLOW sleeps DELAY s before each step of epoch 1 (the
     others wait for it inside their all-reduces), nobody in epoch 2. The

@@ -27,6 +27,7 @@ def flat(weights):
     return np.concatenate([np.asarray(w, np.float32) for w in weights])
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [2])
 def test_workers_end_with_bitwise_identical_weights(runs, num_workers):
     results = runs[num_workers]
@@ -37,6 +38,7 @@ def test_workers_end_with_bitwise_identical_weights(runs, num_workers):
                                       flat(results[0]["weights"]))
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [2])
 def test_n_workers_match_one_worker_with_the_same_global_batch(runs, num_workers):
     one = flat(runs[1][0]["weights"])
@@ -47,6 +49,7 @@ def test_n_workers_match_one_worker_with_the_same_global_batch(runs, num_workers
                                rtol=1e-5)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_evaluate_and_predict_agree_with_one_worker(runs, num_workers):
     for result in runs[num_workers]:
@@ -57,6 +60,7 @@ def test_evaluate_and_predict_agree_with_one_worker(runs, num_workers):
         assert len(result["predictions"]) == 96
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers", [2])
 def test_gradients_are_routed_through_tfscale_cross_device_ops(runs, num_workers):
     # The gradient all-reduce is one batch holding every trainable variable's
@@ -66,6 +70,7 @@ def test_gradients_are_routed_through_tfscale_cross_device_ops(runs, num_workers
         assert result["num_trainable"] in result["routed_batch_sizes"]
 
 
+@pytest.mark.multiworker
 def test_one_worker_needs_no_all_reduce(runs):
     # TensorFlow short-cuts reduces over a single replica.
     assert runs[1][0]["routed_batch_sizes"] == []
@@ -80,6 +85,7 @@ def three_strategies(tmp_path_factory):
     return run.results
 
 
+@pytest.mark.multiworker
 def test_several_strategies_train_in_one_process(three_strategies):
     for name in ("stock", "default", "untimed"):
         first, second = (r[name]["weights"] for r in three_strategies)
@@ -89,6 +95,7 @@ def test_several_strategies_train_in_one_process(three_strategies):
     assert len(three_strategies[0]["untimed"]["weights"][0]) == 5 * 7
 
 
+@pytest.mark.multiworker
 def test_tfscale_all_reduce_trains_like_tensorflows_own(three_strategies):
     result = three_strategies[0]
     for stock, ours in zip(result["stock"]["weights"], result["default"]["weights"],
@@ -97,6 +104,7 @@ def test_tfscale_all_reduce_trains_like_tensorflows_own(three_strategies):
     assert result["default"]["batch_sizes"], "tfscale's all-reduce was not used"
 
 
+@pytest.mark.multiworker
 def test_stock_strategy_times_its_all_reduces(three_strategies):
     for result in three_strategies:
         assert result["stock"]["exposed"] > 0

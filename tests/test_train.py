@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.multiworker
+
 SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,6 +65,7 @@ def test_chief_exports_a_savedmodel_that_serves_the_trained_model(trained):
     # A fresh process, without TF_CONFIG or tfscale: what a serving user does.
     script = f"""
 import json, numpy as np, tensorflow as tf
+
 serve = tf.saved_model.load({str(tmp / 'export')!r}).signatures["serving_default"]
 images = np.load({str(tmp / 'images.npy')!r})
 probabilities = serve(images=tf.constant(images))["probabilities"].numpy()

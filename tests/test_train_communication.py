@@ -2,6 +2,7 @@
 2): they reach the Strategy and its gradient all-reduce plan, and training
 ends in a loadable export."""
 
+import pytest
 import re
 import subprocess
 
@@ -10,6 +11,9 @@ import tensorflow as tf
 
 from multiworker import worker_env
 from tfscale import data
+
+pytestmark = pytest.mark.multiworker
+
 
 FLAGS = ["--algorithm=2d", "--compression=bfloat16", "--local_size=2",
          "--fusion_threshold_bytes=65536", "--implementation=ring"]

@@ -165,6 +165,7 @@ def test_implementation_is_shared_by_all_workers_but_not_a_training_flag():
 
 @pytest.mark.parametrize("command", [["tfscale-train"],
                                      [sys.executable, "-m", "launch.train"]])
+@pytest.mark.multiworker
 def test_help_lists_every_flag(command):
     """`--help` (not only --helpfull) lists the flags of every group."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2")

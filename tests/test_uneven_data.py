@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import multiworker
 import tfscale
-from tfscale import _tf_private
+from tfscale._private import keras_hooks
 from tfscale import uneven_data
 
 # Every scenario on 3 workers; on 5 and 7, half of them each (the suite's
@@ -67,6 +67,7 @@ def flat(weights):
 
 @pytest.mark.parametrize("num_workers, scenario",
                          cases(*KERAS_SCENARIOS, "custom_loop", "ran_out"))
+@pytest.mark.multiworker
 def test_every_worker_ends_with_bitwise_identical_weights(workers, num_workers, scenario):
     results = workers(num_workers)
     first = flat(results[0][scenario]["weights"])
@@ -74,6 +75,7 @@ def test_every_worker_ends_with_bitwise_identical_weights(workers, num_workers, 
         np.testing.assert_array_equal(flat(result[scenario]["weights"]), first)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers, scenario", cases(*KERAS_SCENARIOS))
 def test_fit_trains_as_one_worker_on_the_same_global_batches(
         workers, one_worker, num_workers, scenario):
@@ -86,6 +88,7 @@ def test_fit_trains_as_one_worker_on_the_same_global_batches(
     assert mine["history"]["accuracy"] == reference["history"]["accuracy"]
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers, scenario", cases(*KERAS_SCENARIOS))
 def test_evaluate_counts_and_predict_returns_every_example_once_in_order(
         workers, one_worker, num_workers, scenario):
@@ -98,6 +101,7 @@ def test_evaluate_counts_and_predict_returns_every_example_once_in_order(
     np.testing.assert_allclose(predictions, reference["predictions"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers, scenario", cases("ran_out"))
 def test_workers_whose_pipelines_run_out_at_different_steps_train_as_one(
         workers, one_worker, num_workers, scenario):
@@ -111,6 +115,7 @@ def test_workers_whose_pipelines_run_out_at_different_steps_train_as_one(
                                rtol=1e-6)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers, scenario", cases("custom_loop"))
 def test_a_custom_training_loop_with_a_keras_loss_trains_as_one_worker(
         workers, one_worker, num_workers, scenario):
@@ -120,6 +125,7 @@ def test_a_custom_training_loop_with_a_keras_loss_trains_as_one_worker(
     np.testing.assert_allclose(mine["losses"], reference["losses"], rtol=1e-6)
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("num_workers, scenario", cases("custom_loop_empty_tail"))
 def test_a_custom_loop_step_with_an_empty_batch_is_refused_on_every_worker(
         workers, num_workers, scenario):
@@ -150,20 +156,20 @@ def test_keras_looks_up_the_routed_loss_scaling():
         calls.append(keras_function.__name__)
         return keras_function(value)
 
-    _tf_private.route_loss_scaling(spy, spy)
+    keras_hooks.route_loss_scaling(spy, spy)
     try:
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="mse")
         model.train_on_batch(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"))
     finally:
-        _tf_private.route_loss_scaling(uneven_data.scale_loss, uneven_data.unscale_loss)
+        keras_hooks.route_loss_scaling(uneven_data.scale_loss, uneven_data.unscale_loss)
     assert "scale_loss_for_distribution" in calls
     assert "unscale_loss_for_distribution" in calls
 
 
 def test_symbolic_build_is_routed_and_keras_steps_are_recognized(monkeypatch):
     tfscale.Strategy()
-    assert _tf_private.symbolic_build_routed()
+    assert keras_hooks.symbolic_build_routed()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
     seen = []
@@ -171,7 +177,7 @@ def test_symbolic_build_is_routed_and_keras_steps_are_recognized(monkeypatch):
     run = default.run
 
     def spy(fn, args=(), kwargs=None, options=None):
-        seen.append(_tf_private.keras_step(fn))
+        seen.append(keras_hooks.keras_step(fn))
         return run(fn, args=args, kwargs=kwargs, options=options)
 
     monkeypatch.setattr(default, "run", spy)

@@ -4,6 +4,9 @@ import pytest
 
 import multiworker
 
+pytestmark = pytest.mark.multiworker
+
+
 STALL_TIMEOUT = 5  # seconds
 
 

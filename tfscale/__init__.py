@@ -6,7 +6,7 @@
     model.fit(...)
 """
 
-from tfscale import batch_schedule
+from tfscale import batch_growth
 from tfscale import callbacks
 from tfscale import data
 from tfscale import evaluator
@@ -15,7 +15,8 @@ from tfscale import recipes
 from tfscale import schedules
 from tfscale import slurm
 from tfscale.startup import StartupError
-from tfscale.strategy import CommunicationOptions
+from tfscale.collectives.options import CommunicationOptions
+from tfscale.collectives.options import PowerSGDOptions
 from tfscale.strategy import Strategy
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 
-class SettingsMismatchError(ValueError):
+class WorkersDisagreeError(ValueError):
     """Workers were started with different settings."""
 
 
@@ -72,12 +72,12 @@ def barrier(strategy):
 
 
 def check_settings_agree(strategy, settings):
-    """Raises `SettingsMismatchError` on every worker if any settings differ."""
+    """Raises `WorkersDisagreeError` on every worker if any settings differ."""
     if strategy.num_replicas_in_sync == 1:
         return
     lines = differences(gather_settings(strategy, settings))
     if lines:
-        raise SettingsMismatchError(
+        raise WorkersDisagreeError(
             "Workers were started with different settings; start every worker "
             "with the same flags and versions:\n  " + "\n  ".join(lines)
         )

@@ -29,7 +29,9 @@ import uuid
 from absl import logging
 import tensorflow as tf
 
-from tfscale import _tf_private
+from tfscale._private import accessors
+from tfscale._private import keras_hooks
+from tfscale._private import tf_collectives
 
 STATE_FILE = "state.json"
 WORKER_STATE_DIR = "worker-state"
@@ -42,7 +44,7 @@ _worker_state_saves = itertools.count()  # every worker saves in the same order
 def _trackable_state(model):
     return tf.train.Checkpoint(
         model=model, optimizer=model.optimizer,
-        seed_states=_tf_private.seed_generator_states(model),
+        seed_states=accessors.seed_generator_states(model),
     )
 
 
@@ -120,7 +122,7 @@ def save_worker_state(model, directory, step):
         except OSError:
             pass
     timeout = getattr(getattr(strategy, "communication", None), "timeout_seconds", None)
-    _tf_private.wait_for_all_workers(
+    tf_collectives.wait_for_all_workers(
         f"tfscale worker state {next(_worker_state_saves)}: step {step}",
         timeout or _BARRIER_SECONDS)
 
@@ -227,4 +229,4 @@ def save(model, directory, step, extra=None):
 def step(model):
     """Steps the model has trained: batches its optimizer has taken (with
     gradient accumulation each micro-batch counts, not only the updates)."""
-    return _tf_private.batches_taken(model.optimizer)
+    return keras_hooks.batches_taken(model.optimizer)

@@ -13,7 +13,7 @@ Every worker shuffles one stream with the same seed and cuts it into global
 batches; each worker keeps its rows of each, so a global batch holds the same
 examples whatever the number of workers. A pipeline may start `start_example`
 examples into that stream: where a phase of a growing batch
-(`tfscale.batch_schedule`) continues from the phase before it.
+(`tfscale.batch_growth`) continues from the phase before it.
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ TensorFlow's cluster roles include an `evaluator` task (Kubeflow TFJob's
 Evaluator replica): it is not part of the training cluster (no training
 server, not counted among the workers) and evaluates the checkpoints the
 training job writes. `CheckpointEvaluator` is that task's loop for the
-checkpoints of `tfscale.checkpoint` (`tfscale.callbacks.BackupAndResume`,
+checkpoints of `tfscale.checkpoint` (`tfscale.callbacks.TrainingCheckpoint`,
 tfscale-train's `--model_dir`):
 
 ```python

@@ -195,7 +195,8 @@ def ensure_prepared(data_dir=None, manual_dir=None, prepares=True,
                          who, _builder(data_dir).data_dir, waited,
                          "" if timeout_seconds is None else
                          f"; giving up after {timeout_seconds:g} s")
-        time.sleep(min(5.0, log_seconds))
+        left = (5.0 if timeout_seconds is None else timeout_seconds - waited)
+        time.sleep(max(0.05, min(5.0, log_seconds, left)))
 
 
 class RecordSource:

@@ -37,7 +37,7 @@ import uuid
 import keras
 
 from tfscale import _validation
-from tfscale import batch_schedule as batch_schedules
+from tfscale import batch_growth
 from tfscale import optimizers
 from tfscale import schedules
 
@@ -204,7 +204,7 @@ class Settings:
             1/accumulation_steps of it, and tfscale all-reduces once per
             step.
         batch_schedule: grow the global batch instead of decaying the
-            learning rate (Smith et al. 2017; `tfscale.batch_schedule`):
+            learning rate (Smith et al. 2017; `tfscale.batch_growth`):
             `"epoch:factor,..."` events, e.g. `"30:5,60:5"` (a sequence of
             pairs is accepted and stored as that text); `""`: none. Needs
             `lr_schedule="constant"`: the events are the decay.
@@ -276,9 +276,9 @@ class Settings:
 
     def _check_batch_schedule(self):
         # Stored as canonical text: equal schedules compare and save alike.
-        object.__setattr__(self, "batch_schedule", batch_schedules.to_string(
-            batch_schedules.parse(self.batch_schedule)))
-        value = batch_schedules.check_max_global_batch_size(
+        object.__setattr__(self, "batch_schedule", batch_growth.to_string(
+            batch_growth.parse(self.batch_schedule)))
+        value = batch_growth.check_max_global_batch_size(
             self.max_global_batch_size)
         object.__setattr__(self, "max_global_batch_size", value)
         if value and not self.batch_schedule:
@@ -398,9 +398,9 @@ def make_schedule(settings, global_batch_size, steps_per_epoch, epochs):
 
 
 def batch_phases(settings, global_batch_size, steps_per_epoch, epochs):
-    """The `tfscale.batch_schedule.Phase`s of `settings` (one phase
+    """The `tfscale.batch_growth.Phase`s of `settings` (one phase
     without a `batch_schedule`); arguments as `make_schedule`'s."""
-    return batch_schedules.phases(
+    return batch_growth.phases(
         settings.batch_schedule, global_batch_size, steps_per_epoch, epochs,
         settings.max_global_batch_size)
 
@@ -551,7 +551,7 @@ def describe(settings, global_batch_size=None):
         parts.append(f", {s.accumulation_steps} micro-batches per step")
     if s.batch_schedule:
         growth = ", ".join(f"x{factor} from epoch {epoch}" for epoch, factor
-                           in batch_schedules.parse(s.batch_schedule))
+                           in batch_growth.parse(s.batch_schedule))
         parts.append(f", global batch {growth}")
         if s.max_global_batch_size:
             parts.append(f" up to {s.max_global_batch_size}, then lr / factor")

@@ -22,251 +22,22 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfscale import _tf_private
+from tfscale import _private
+from tfscale._private import accessors
+from tfscale._private import keras_hooks
+from tfscale._private import tf_collectives
 from tfscale import collectives
 from tfscale import evaluator
 from tfscale import uneven_data
-from tfscale import jit_compile
-from tfscale import keras_callbacks
+from tfscale import fit_hooks
 from tfscale import optimizers
 from tfscale import startup
-from tfscale._validation import is_int
 from tfscale._validation import is_number
+from tfscale.collectives.options import CommunicationOptions
 
-_MiB = 1024 * 1024
-# What `CommunicationOptions(compression=...)` takes: a 16-bit wire dtype, or
-# PowerSGD's low-rank factors.
-_COMPRESSIONS = (*collectives.COMPRESSIONS, collectives.powersgd.NAME)
 # How long building a strategy waits for the other workers when no collective
 # timeout is set.
 _STARTUP_BARRIER_SECONDS = 3600
-
-
-class CommunicationOptions:
-    """How `tfscale.Strategy` all-reduces.
-
-    Gradients are packed, last layer first, into buffers of about
-    `fusion_threshold_bytes` (tensor fusion); each buffer is all-reduced on
-    its own, by the algorithm chosen for it:
-
-    - `"ring"`: one flat ring through all workers. Bandwidth-optimal; its
-      2(n-1) latency steps all cross the slowest link.
-    - `"hierarchical"`: all-reduce inside each node, all-reduce among the
-      node leaders, broadcast inside each node (Jia et al. 2018, 4.2). Fewer
-      latency steps, and only one stream per node leaves the node.
-    - `"2d"`: all-reduce inside each node, then each worker all-reduces its
-      1/k shard with the workers of the same local rank in the other nodes,
-      then an all-gather inside the node. Nodes must have equal sizes.
-    - `"halving_doubling"`: recursive halving, then recursive doubling, over
-      pairs of workers (Thakur, Rabenseifner and Gropp 2005; Goyal et al.
-      2017): 2 log2(n) latency steps instead of the ring's 2(n-1), the same
-      bytes; any number of workers (2 more steps when n is not a power of
-      two).
-    - `"hybrid"`: per buffer, `"hierarchical"` below `hybrid_threshold_bytes`
-      and `"ring"` at or above it (Jia et al. 2018, 4.3); without a
-      threshold, the fastest of ring, hierarchical and halving_doubling by
-      `cost_model`'s prediction.
-
-    With one node, or one worker per node, "hierarchical" and "2d" run as a
-    ring.
-    The plan (each buffer's size and algorithm) is logged once on the chief.
-
-    Args:
-        algorithm: `"hybrid"` (default), `"ring"`, `"hierarchical"`, `"2d"`
-            or `"halving_doubling"`.
-        fusion_threshold_bytes: buffer size at which a fused buffer is closed
-            and sent; 0 sends each tensor on its own.
-        hybrid_threshold_bytes: `"hybrid"` only: bytes on the wire at which a
-            buffer goes by ring instead of hierarchical. `None`: each buffer
-            takes the algorithm `cost_model` predicts fastest.
-        local_size: workers per node. `None`: workers on the same host in
-            TF_CONFIG form a node. Otherwise consecutive workers are grouped
-            `local_size` at a time (4 workers on one host with `local_size=2`
-            act as 2 nodes of 2); the last node is smaller when it does not
-            divide the number of workers.
-        compression: `None`, `"bfloat16"`, `"float16"` or `"powersgd"`.
-            `"bfloat16"`, `"float16"`: float32 buffers
-            travel and are summed in that 16-bit type and come back float32
-            (half the bytes; on n workers an error of at most about n * 2**-8
-            (bfloat16) or n * 2**-11 (float16) times the sum of the values'
-            magnitudes). bfloat16 keeps
-            float32's range; float16 is scaled per buffer so its sum cannot
-            overflow. Other dtypes, and lone scalars (losses, metrics), travel
-            as they are. See
-            `tfscale.collectives.compression`.
-            `"powersgd"`: each float32 gradient matrix (conv kernels
-            reshaped) travels as two rank-`powersgd_rank` factors, with the
-            compression error kept on each worker and added to its next
-            gradient (Vogels et al. 2019; PyTorch's `powerSGD_hook`); see
-            `tfscale.collectives.powersgd`. Its state is saved per worker by
-            `tfscale.checkpoint` (and so by tfscale's backup callbacks).
-        timeout_seconds: a collective that has not completed after this many
-            seconds fails, so a lost worker stops its peers instead of leaving
-            them waiting forever. It must exceed the longest time one worker
-            can legitimately run ahead of the others (the chief writing a
-            checkpoint or an export, a slow first step while graphs are
-            built); `None` waits forever, as stock MWMS does.
-        cost_model: a `tfscale.collectives.cost_model.CostModel` for the
-            hybrid threshold and for how many chunks the hierarchical
-            algorithms pipeline; `None`: its `DEFAULT`. Fit one to your
-            cluster with `cost_model.fit`.
-        time_all_reduces: add each all-reduce's exposed time to
-            `Strategy.exposed_communication_seconds` (two timestamps per
-            all-reduce). `False` leaves the all-reduces untimed, so nothing
-            waits for every input of a batch before its result is stamped.
-            Steps compiled by XLA (`jit_compile=True`) are never timed: XLA
-            has no kernel for `tf.timestamp`.
-        powersgd_rank: `compression="powersgd"` only: the rank r of the
-            factors (PyTorch's `matrix_approximation_rank`); default 4.
-        powersgd_start_step: `compression="powersgd"` only: optimizer
-            updates all-reduced uncompressed before compression starts
-            (PyTorch's `start_powerSGD_iter`); default 10.
-        powersgd_min_compression_rate: `compression="powersgd"` only: a
-            matrix is compressed only if it shrinks at least this many times,
-            else it is all-reduced as it is (PyTorch's
-            `min_compression_rate`); default 2.
-        implementation: what carries the collectives, in TensorFlow's names:
-            `"auto"` (default): NCCL when the worker's device is a GPU, ring
-            otherwise; `"ring"`: TensorFlow's ring over gRPC everywhere;
-            `"nccl"`: NCCL (`communication_hint="nccl"`) under every stage,
-            refused here when TensorFlow sees no GPU. Through NCCL every
-            collective of a worker is chained in one order that all workers
-            share (NCCL communicators of a GPU share one stream: collectives
-            of different groups launched in different orders can deadlock);
-            broadcasts become all-reduces to which only the sender
-            contributes (broadcasts take no ordering token); "bfloat16"
-            compression travels as "float16" with its per-buffer scale (NCCL
-            has no bfloat16); hierarchical and 2d buckets go whole, not in
-            chunks. `Strategy.communication_implementation` says what was
-            chosen. See `tfscale.collectives.implementation`. The NCCL path
-            has been traced and checked on CPU, not run on a GPU by tfscale's
-            tests; `tfscale-bench gpucheck` checks it on your GPUs.
-    """
-
-    def __init__(
-        self,
-        algorithm="hybrid",
-        fusion_threshold_bytes=32 * _MiB,
-        hybrid_threshold_bytes=None,
-        local_size=None,
-        compression=None,
-        timeout_seconds=300,
-        cost_model=None,
-        time_all_reduces=True,
-        powersgd_rank=None,
-        powersgd_start_step=None,
-        powersgd_min_compression_rate=None,
-        implementation="auto",
-    ):
-        collectives.implementation.check_implementation(
-            implementation,
-            num_gpus=(len(tf.config.list_physical_devices("GPU"))
-                      if implementation == "nccl" else None))
-        if algorithm not in collectives.ALGORITHMS:
-            raise ValueError(
-                f"Argument `algorithm` must be one of {list(collectives.ALGORITHMS)}. "
-                f"Received: algorithm={algorithm!r}"
-            )
-        if not is_int(fusion_threshold_bytes) or fusion_threshold_bytes < 0:
-            raise ValueError(
-                "Argument `fusion_threshold_bytes` must be an integer >= 0. "
-                f"Received: fusion_threshold_bytes={fusion_threshold_bytes!r}"
-            )
-        if hybrid_threshold_bytes is not None:
-            if not is_int(hybrid_threshold_bytes) or hybrid_threshold_bytes < 0:
-                raise ValueError(
-                    "Argument `hybrid_threshold_bytes` must be an integer >= 0, "
-                    "or None to take it from the cost model. "
-                    f"Received: hybrid_threshold_bytes={hybrid_threshold_bytes!r}"
-                )
-            if algorithm != "hybrid":
-                raise ValueError(
-                    "Argument `hybrid_threshold_bytes` only applies to "
-                    f"algorithm='hybrid'; this is algorithm={algorithm!r}. "
-                    f"Received: hybrid_threshold_bytes={hybrid_threshold_bytes!r}"
-                )
-        if local_size is not None and (not is_int(local_size) or local_size < 1):
-            raise ValueError(
-                "Argument `local_size` must be an integer >= 1 (workers per "
-                "node), or None to group workers by host. "
-                f"Received: local_size={local_size!r}"
-            )
-        if compression is not None and compression not in _COMPRESSIONS:
-            raise ValueError(
-                "Argument `compression` must be None or one of "
-                f"{list(_COMPRESSIONS)}. "
-                f"Received: compression={compression!r}"
-            )
-        powersgd = _check_powersgd(compression, powersgd_rank, powersgd_start_step,
-                                   powersgd_min_compression_rate)
-        if timeout_seconds is not None and (
-            not is_number(timeout_seconds) or timeout_seconds <= 0
-        ):
-            raise ValueError(
-                "Argument `timeout_seconds` must be a number > 0, or None to "
-                f"wait forever. Received: timeout_seconds={timeout_seconds!r}"
-            )
-        if cost_model is not None and not isinstance(
-            cost_model, collectives.cost_model.CostModel
-        ):
-            raise TypeError(
-                "Argument `cost_model` must be a "
-                "`tfscale.collectives.cost_model.CostModel` or None. "
-                f"Received: cost_model={cost_model!r}"
-            )
-        self.algorithm = algorithm
-        self.fusion_threshold_bytes = fusion_threshold_bytes
-        self.hybrid_threshold_bytes = hybrid_threshold_bytes
-        self.local_size = local_size
-        self.compression = compression
-        if not isinstance(time_all_reduces, bool):
-            raise TypeError(
-                "Argument `time_all_reduces` must be True or False. "
-                f"Received: time_all_reduces={time_all_reduces!r}"
-            )
-        self.timeout_seconds = timeout_seconds
-        self.cost_model = cost_model
-        self.time_all_reduces = time_all_reduces
-        (self.powersgd_rank, self.powersgd_start_step,
-         self.powersgd_min_compression_rate) = powersgd
-        self.implementation = implementation
-
-    def get_config(self):
-        return {
-            "algorithm": self.algorithm,
-            "fusion_threshold_bytes": self.fusion_threshold_bytes,
-            "hybrid_threshold_bytes": self.hybrid_threshold_bytes,
-            "local_size": self.local_size,
-            "compression": self.compression,
-            "timeout_seconds": self.timeout_seconds,
-            "cost_model": (
-                None if self.cost_model is None else self.cost_model.get_config()
-            ),
-            "time_all_reduces": self.time_all_reduces,
-            "powersgd_rank": self.powersgd_rank,
-            "powersgd_start_step": self.powersgd_start_step,
-            "powersgd_min_compression_rate": self.powersgd_min_compression_rate,
-            "implementation": self.implementation,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if config.get("cost_model") is not None:
-            config["cost_model"] = collectives.cost_model.CostModel.from_config(
-                config["cost_model"]
-            )
-        return cls(**config)
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"CommunicationOptions({args})"
-
-    def __eq__(self, other):
-        return (
-            isinstance(other, CommunicationOptions)
-            and self.get_config() == other.get_config()
-        )
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -282,8 +53,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
     more workers, `fit` refuses `keras.callbacks.BackupAndRestore` (use
     `tfscale.callbacks.BackupAndRestore`) and lets only the chief write where
     `ModelCheckpoint`, `TensorBoard` and `CSVLogger` are told to
-    (`tfscale.keras_callbacks`). `jit_compile=True` on two or more CPU
-    workers is refused in one line (`tfscale.jit_compile`).
+    (`tfscale.fit_hooks`). `jit_compile=True` on two or more CPU
+    workers is refused in one line (also `tfscale.fit_hooks`).
 
     Args:
         cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`;
@@ -305,26 +76,27 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
                  startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
                  barrier_timeout_seconds=None):
         _check_startup_timeout(startup_timeout_seconds)
-        _tf_private.check_versions()
+        _private.check_versions()
         if evaluator.is_evaluator_task(cluster_resolver):
             raise ValueError(
                 "This process is an `evaluator` task of its cluster, which "
                 "takes no part in training (TensorFlow's definition): do not "
                 "build a strategy there; evaluate the training job's "
                 "checkpoints with `tfscale.evaluator.CheckpointEvaluator`.")
-        # Keras's BackupAndRestore refused, its file writers chief-only.
-        keras_callbacks.install()
+        # Keras's BackupAndRestore refused, its file writers chief-only,
+        # jit_compile refused on 2+ CPU workers (`tfscale.fit_hooks`).
+        fit_hooks.install(_is_keras_multi_worker_strategy)
         # Keras builds the model from this worker's first batch, not from a
         # cross-worker mean that fails on batches of different sizes.
-        _tf_private.route_symbolic_build(_is_keras_multi_worker_strategy)
-        jit_compile.install()  # refused on 2+ CPU workers, in one line
-        number = _tf_private.take_collective_keys(self)
+        keras_hooks.route_symbolic_build(_is_keras_multi_worker_strategy)
+        number = tf_collectives.take_collective_keys(
+            self, collectives.topology.MAX_SUBGROUP_INDEX)
         timeout = (barrier_timeout_seconds
                    or getattr(communication_options, "timeout_seconds", None)
                    or _STARTUP_BARRIER_SECONDS)
         if cluster_resolver is None:  # what MWMS would build
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        if not _tf_private.cluster_connected():
+        if not tf_collectives.cluster_connected():
             # TensorFlow's own wait for the peers can be neither watched nor
             # interrupted (tfscale.startup); tfscale's can.
             startup.wait_for_peers(
@@ -337,13 +109,13 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         # A later strategy replaces this worker's collective executor: no
         # peer may still be running collectives of the previous one, nor
         # start the new one's, while it does.
-        _tf_private.wait_for_all_workers(f"tfscale strategy {number}: start", timeout)
+        tf_collectives.wait_for_all_workers(f"tfscale strategy {number}: start", timeout)
         super().__init__(
             cluster_resolver=cluster_resolver,
             communication_options=communication_options,
         )
-        _tf_private.wait_for_all_workers(f"tfscale strategy {number}: ready", timeout)
-        devices = _tf_private.local_devices(self)
+        tf_collectives.wait_for_all_workers(f"tfscale strategy {number}: ready", timeout)
+        devices = accessors.local_devices(self)
         if len(devices) > 1:
             raise ValueError(
                 "tfscale runs one replica per worker process, as Horovod runs "
@@ -366,8 +138,10 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         Either way their collectives also work inside Keras's
         `steps_per_execution` loop (see `loop_instance_keys`).
         """
-        _tf_private.install_stock_cross_device_ops(
-            self, self._exposed_communication_seconds)
+        seconds = self._exposed_communication_seconds
+        tf_collectives.install_stock_cross_device_ops(
+            self, wrap=None if seconds is None else (
+                lambda reduce, value: collectives.timed_all_reduce(reduce, value, seconds)))
 
     @property
     def loop_instance_keys(self):
@@ -380,7 +154,7 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         Those all-reduces take a key when traced, listed here; empty with one
         worker or `steps_per_execution=1`.
         """
-        return _tf_private.loop_instance_keys(self)
+        return tf_collectives.loop_instance_keys(self)
 
     @property
     def exposed_communication_seconds(self):
@@ -411,7 +185,7 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         """
         resolver = self.cluster_resolver
         return collectives.topology.rank_in_cluster(
-            _tf_private.cluster_spec_dict(self), resolver.task_type,
+            accessors.cluster_spec_dict(self), resolver.task_type,
             resolver.task_id or 0)
 
     @property
@@ -527,26 +301,26 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         if communication.compression == collectives.powersgd.NAME:
             self._powersgd = collectives.powersgd.PowerSGD(
                 self._sum_over_workers, self.num_workers,
-                rank=communication.powersgd_rank,
-                start_step=communication.powersgd_start_step,
-                min_compression_rate=communication.powersgd_min_compression_rate,
+                rank=communication.powersgd.rank,
+                start_step=communication.powersgd.start_step,
+                min_compression_rate=communication.powersgd.min_compression_rate,
                 log_plans=self.is_chief)
-        _tf_private.route_compile_loss_scaling(_compile_loss_scale_class)
+        keras_hooks.route_compile_loss_scaling(_compile_loss_scale_class)
         # Each worker's loss weighted by its share of the step's examples
         # (see `run`).
-        _tf_private.route_loss_scaling(uneven_data.scale_loss,
+        keras_hooks.route_loss_scaling(uneven_data.scale_loss,
                                        uneven_data.unscale_loss)
         self._on_cpu = all(
             tf.DeviceSpec.from_string(d).device_type == "CPU"
-            for d in _tf_private.local_devices(self))
+            for d in accessors.local_devices(self))
         # Clipping and accumulation of every Keras optimizer on the
-        # all-reduced gradient (see `_routes_optimizer_updates`).
-        _tf_private.route_optimizer_updates(_routes_optimizer_updates)
+        # all-reduced gradient (see `_gradient_reducer`).
+        keras_hooks.route_optimizer_updates(_gradient_reducer)
 
     def _install_all_reduce(self):
         """Routes dense all-reduces through tfscale's fused collectives."""
         communication = self.communication
-        cluster_spec = _tf_private.cluster_spec_dict(self)
+        cluster_spec = accessors.cluster_spec_dict(self)
         self._topology = collectives.topology.from_cluster_spec(
             cluster_spec, rank=self.worker_index,
             local_size=communication.local_size,
@@ -559,7 +333,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
                 f"Received: cluster_spec={cluster_spec!r}"
             )
         self._implementation = collectives.implementation.resolve(
-            communication.implementation, _tf_private.local_devices(self)[0])
+            communication.implementation, accessors.local_devices(self)[0])
         self._all_reduce = collectives.AllReduce(
             self._topology,
             algorithm=communication.algorithm,
@@ -578,11 +352,12 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         self._watchdog = None
         if communication.timeout_seconds is not None:
             self._watchdog = collectives.watchdog.Watchdog(
-                communication.timeout_seconds, _tf_private.local_devices(self)[0],
-                _tf_private.abort_collectives)
-        self._routed_ops = _tf_private.install_cross_device_ops(
+                communication.timeout_seconds, accessors.local_devices(self)[0],
+                tf_collectives.abort_collectives)
+        self._routed_ops = tf_collectives.install_cross_device_ops(
             self, self._all_reduce, timeout_seconds=None,
             implementation=self._implementation, watch=self._watchdog,
+            max_subgroup_index=collectives.topology.MAX_SUBGROUP_INDEX,
         )
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -602,7 +377,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         worker (`tfscale.uneven_data`).
         """
         if self.num_workers > 1 and _holds_a_batch(args, kwargs):
-            keras_step = _tf_private.keras_step(fn)
+            keras_step = keras_hooks.keras_step(fn)
             fn = uneven_data.counting_examples(
                 fn, keras_step=keras_step,
                 model=getattr(fn, "__self__", None) if keras_step else None,
@@ -623,13 +398,23 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         distributed = super().distribute_datasets_from_function(
             dataset_fn, options=options)
         if self.num_workers > 1:
-            mine = _tf_private.cardinality(distributed)
+            mine = accessors.cardinality(distributed)
             everyone = self.gather(self.experimental_distribute_values_from_function(
                 lambda _: tf.constant([mine], tf.int64)), axis=0)
             agreed = uneven_data.agreed_cardinality(everyone.numpy())
             if agreed is not None:
-                _tf_private.set_cardinality(distributed, agreed)
+                accessors.set_cardinality(distributed, agreed)
         return distributed
+
+    def sum_gradients(self, grads, optimizer, variables):
+        """Sums `grads` (of `variables`) over the workers in replica context:
+        through PowerSGD under `compression="powersgd"`, else as any dense
+        all-reduce."""
+        if self._powersgd is not None:
+            return self._powersgd.all_reduce(
+                list(grads), optimizer, variables, optimizer.iterations)
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, list(grads))
 
     def _sum_over_workers(self, tensors):
         """Sums `tensors` over all workers, fused as any all-reduce, with no
@@ -711,14 +496,15 @@ def _compile_loss_scale_class():
     return keras.optimizers.LossScaleOptimizer
 
 
-def _routes_optimizer_updates(strategy):
-    """Whether Keras optimizers under `strategy` (the one running the step)
-    all-reduce first, then clip (`clipnorm`, `global_clipnorm`, `clipvalue`)
-    and accumulate (`gradient_accumulation_steps`, one all-reduce per
-    accumulated step): under a `tfscale.Strategy`. Elsewhere Keras clips each
-    worker's local gradient, and accumulation fails under
+def _gradient_reducer(strategy):
+    """How Keras optimizers under `strategy` (the one running the step) sum
+    their gradients over the workers before they clip (`clipnorm`,
+    `global_clipnorm`, `clipvalue`) and accumulate
+    (`gradient_accumulation_steps`, one all-reduce per accumulated step):
+    under a `tfscale.Strategy`, its `sum_gradients`. None elsewhere: Keras
+    clips each worker's local gradient, and accumulation fails under
     MultiWorkerMirroredStrategy."""
-    return isinstance(strategy, Strategy)
+    return strategy.sum_gradients if isinstance(strategy, Strategy) else None
 
 
 def _holds_a_batch(args, kwargs):
@@ -730,40 +516,6 @@ def _holds_a_batch(args, kwargs):
 
 def _is_keras_multi_worker_strategy(strategy):
     return isinstance(strategy, KerasMultiWorkerMirroredStrategy)
-
-
-def _check_powersgd(compression, rank, start_step, min_compression_rate):
-    """`(rank, start_step, min_compression_rate)`, defaults filled in under
-    PowerSGD, all `None` otherwise; raises on a bad or misplaced value."""
-    given = {"powersgd_rank": rank, "powersgd_start_step": start_step,
-             "powersgd_min_compression_rate": min_compression_rate}
-    if compression != collectives.powersgd.NAME:
-        for name, value in given.items():
-            if value is not None:
-                raise ValueError(
-                    f"Argument `{name}` only applies to compression='powersgd'; "
-                    f"this is compression={compression!r}. Received: {name}={value!r}")
-        return None, None, None
-    if rank is None:
-        rank = collectives.powersgd.DEFAULT_RANK
-    if start_step is None:
-        start_step = collectives.powersgd.DEFAULT_START_STEP
-    if min_compression_rate is None:
-        min_compression_rate = collectives.powersgd.DEFAULT_MIN_COMPRESSION_RATE
-    if not is_int(rank) or rank < 1:
-        raise ValueError("Argument `powersgd_rank` must be an integer >= 1 (the "
-                         f"rank of the factors). Received: powersgd_rank={rank!r}")
-    if not is_int(start_step) or start_step < 0:
-        raise ValueError(
-            "Argument `powersgd_start_step` must be an integer >= 0 (optimizer "
-            "updates all-reduced uncompressed before PowerSGD starts). "
-            f"Received: powersgd_start_step={start_step!r}")
-    if not is_number(min_compression_rate) or min_compression_rate < 1:
-        raise ValueError(
-            "Argument `powersgd_min_compression_rate` must be a number >= 1 (a "
-            "matrix is compressed only if it shrinks at least this many times). "
-            f"Received: powersgd_min_compression_rate={min_compression_rate!r}")
-    return rank, start_step, float(min_compression_rate)
 
 
 def _check_startup_timeout(value):

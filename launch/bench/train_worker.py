@@ -57,16 +57,16 @@ def _strategy(spec):
     if spec["kind"] == cluster.STOCK:
         return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
     if spec["kind"] == "tfscale":
-        powersgd = {}
+        powersgd = None
         if spec["compression"] == collectives.powersgd.NAME:
-            powersgd = {"powersgd_rank": spec["powersgd_rank"],
-                        "powersgd_start_step": spec["powersgd_start_step"]}
+            powersgd = tfscale.PowerSGDOptions(
+                rank=spec["powersgd_rank"], start_step=spec["powersgd_start_step"])
         return tfscale.Strategy(communication=tfscale.CommunicationOptions(
             algorithm=spec["algorithm"], compression=spec["compression"],
             local_size=spec["local_size"],
             fusion_threshold_bytes=spec["fusion_threshold_bytes"],
             timeout_seconds=spec["collective_timeout"], time_all_reduces=True,
-            **powersgd))
+            powersgd=powersgd))
     return None
 
 

@@ -34,7 +34,7 @@ on the gradient (biases and BatchNorm parameters excluded):
   (each of `--learning_rates`), the batch multiplied by each factor of
   `--batch_growth` (`epoch:factor` events; default `3:5,6:5`: 32, 160,
   800, early enough that training has not converged yet) at its epoch
-  (`Settings.batch_schedule`, `tfscale.batch_schedule`; an epoch keeps its
+  (`Settings.batch_schedule`, `tfscale.batch_growth`; an epoch keeps its
   1,440 examples, in fewer updates).
 - `lr_decay_small`: the decay that growth replaces: the same events divide
   the learning rate instead (`max_global_batch_size` = `--small_batch`).
@@ -113,7 +113,7 @@ import time
 from absl import app
 from absl import flags
 
-from tfscale import batch_schedule
+from tfscale import batch_growth
 from tfscale import recipes
 
 ALEXNET_SETTINGS = ("sgd_small", "sgd_large", "lars_large",
@@ -242,7 +242,7 @@ class Variant:
         if self.setting == "lars_large":
             return (f"LARS, batch {self.batch}, lr {self.learning_rate:g} "
                     "+ warmup")
-        events = batch_schedule.parse(FLAGS.batch_growth)
+        events = batch_growth.parse(FLAGS.batch_growth)
         at = ", ".join(str(epoch) for epoch, _ in events)
         factor = "x".join(str(factor) for _, factor in events)
         if self.setting == "batch_growth_small":
@@ -290,8 +290,8 @@ def powersgd_strategy(rank):
     if rank not in _strategies:
         _strategies[rank] = tfscale.Strategy(
             communication=tfscale.CommunicationOptions(
-                compression="powersgd", powersgd_rank=rank,
-                powersgd_start_step=FLAGS.powersgd_start_step))
+                compression="powersgd", powersgd=tfscale.PowerSGDOptions(
+                    rank=rank, start_step=FLAGS.powersgd_start_step)))
     return _strategies[rank]
 
 
@@ -413,7 +413,7 @@ def train_alexnet(variant, precision, seed):
     callback = test_accuracy_callback(model, images, labels)
     phases = recipes.batch_phases(settings, variant.batch,
                                   variant.steps_per_epoch, FLAGS.epochs)
-    for part in batch_schedule.fit_parts(phases):  # one without growth
+    for part in batch_growth.fit_parts(phases):  # one without growth
         phase = part.phase
         model.fit(data.digits("train", phase.global_batch_size, image_size,
                               seed=seed, start_example=phase.first_example,

@@ -3,6 +3,7 @@ tfscale-train run through a worker killed with SIGKILL at 3 random moments;
 it loses no checkpointed step and ends with the weights of a run never
 interrupted, bit for bit."""
 
+import pytest
 import os
 import random
 import re
@@ -18,6 +19,9 @@ from multiworker import checkpoint_variables
 from multiworker import pids_with_env
 from multiworker import saved_step
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 EPOCHS = 2
 STEPS_PER_EPOCH = 12

@@ -2,6 +2,7 @@
 fit, a worker SIGKILLed mid-epoch and the fit relaunched, resumes at the
 saved step and ends bitwise equal to a fit never interrupted."""
 
+import pytest
 import json
 import os
 import signal
@@ -18,6 +19,9 @@ from multiworker import pids_with_env
 from multiworker import saved_step
 from multiworker import run_workers
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 SCRIPT = "tutorial_callbacks.py"
 STEPS = 16  # 2 epochs of 8 (tests/workers/tutorial_callbacks.py)

@@ -7,6 +7,9 @@ import pytest
 
 from multiworker import worker_env
 
+pytestmark = pytest.mark.multiworker
+
+
 
 def train(tmp_path, *flags, tf_config=None, timeout=180):
     env = worker_env(tmp_path)

@@ -1,11 +1,15 @@
 """BatchNorm moving statistics: the same on every worker and in the export."""
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
 from multiworker import assert_succeeded
 from multiworker import run_workers
 from tfscale import data
+
+pytestmark = pytest.mark.multiworker
+
 
 
 def test_statistics_agree_across_workers_and_in_the_served_export(tmp_path):

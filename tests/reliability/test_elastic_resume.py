@@ -3,6 +3,7 @@ batch) at the same step, on the same global batches, and ends where the
 uninterrupted 3-worker run ends, within float32 rounding; `tfscale-launch
 --min_workers` drops a slot that keeps failing and finishes on the others."""
 
+import pytest
 import json
 import os
 import re
@@ -16,6 +17,9 @@ from multiworker import assert_succeeded
 from multiworker import run_workers
 from multiworker import saved_step
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 STEPS = 40
 SAVE_AT = 20

@@ -1,5 +1,6 @@
 """An export killed midway leaves the previous export intact and loadable."""
 
+import pytest
 import os
 import signal
 import subprocess
@@ -9,6 +10,9 @@ import numpy as np
 import tensorflow as tf
 
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 TRAIN = ["tfscale-train", "--fc_units=16", "--global_batch_size=32", "--epochs=1",
          "--steps_per_epoch=2"]

@@ -88,6 +88,7 @@ def reference(tmp_path, seed):
     ("before_swap", 0),   # the new export was complete but not in place
     ("after_swap", 1),    # in place; the old one not yet deleted
 ])
+@pytest.mark.multiworker
 def test_killed_export_leaves_a_loadable_export(tmp_path, kill_at, serves_seed):
     target = tmp_path / "export"
     child = subprocess.run(
@@ -101,6 +102,7 @@ def test_killed_export_leaves_a_loadable_export(tmp_path, kill_at, serves_seed):
     assert_next_export_cleans_up(tmp_path, target)
 
 
+@pytest.mark.multiworker
 def test_export_is_never_moved_away_from_export_dir(tmp_path):
     target = tmp_path / "export"
     child = subprocess.run(

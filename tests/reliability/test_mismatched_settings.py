@@ -1,6 +1,10 @@
 """Workers started with different settings all stop, naming the difference."""
 
+import pytest
 from multiworker import start_cluster
+
+pytestmark = pytest.mark.multiworker
+
 
 BASE = ["tfscale-train", "--fc_units=32", "--epochs=1", "--steps_per_epoch=2",
         "--export_dir="]

@@ -1,6 +1,7 @@
 """A non-finite loss in float32 stops training clearly and keeps the last good
 checkpoint."""
 
+import pytest
 import json
 import subprocess
 
@@ -8,6 +9,9 @@ import numpy as np
 import tensorflow as tf
 
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 
 def test_nan_loss_stops_every_worker_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -1,11 +1,15 @@
 """Resume: a relaunch with other training settings is refused. (A run killed
 mid-training and relaunched is tests/reliability/test_automatic_restart.py.)"""
 
+import pytest
 import json
 import subprocess
 
 from multiworker import saved_step
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 
 def test_resuming_with_a_changed_learning_rate_is_refused_naming_only_that_change(tmp_path):

@@ -1,10 +1,8 @@
 """A worker killed or hung mid-epoch: no hang, the lost worker named, no orphans."""
 
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -13,6 +11,9 @@ import pytest
 from multiworker import pids_with_env
 from multiworker import start_cluster
 from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
 
 COLLECTIVE_TIMEOUT = 30  # seconds; measured: the survivor stops 3 s (SIGKILL)
 # or 13 s (SIGSTOP) after its peer's failure.

@@ -1,9 +1,9 @@
 """Trains a tiny digits classifier under a batch schedule, the Python way.
 
-What a Python user writes (tfscale.batch_schedule's docstring): the phases
+What a Python user writes (tfscale.batch_growth's docstring): the phases
 of `tfscale.recipes.Settings(batch_schedule=...)`, one fit per
 `fit_parts(...)` part, each on `tfscale.data.digits` at its phase's batch
-from its phase's first example, checkpoints with `BackupAndResume` recording
+from its phase's first example, checkpoints with `TrainingCheckpoint` recording
 the phase, and a restart restoring the newest one.
 
 Flags: --model_dir (checkpoints; resumes from them), --kill_at_step (the
@@ -62,16 +62,16 @@ def train(strategy, model_dir, kill_at_step=0):
             SETTINGS, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS)
         model.compile(optimizer=optimizer, loss=keras.losses.
                       SparseCategoricalCrossentropy(from_logits=True))
-        tfscale.batch_schedule.check_record(
+        tfscale.batch_growth.check_record(
             phases, tfscale.checkpoint.state(model_dir))
         start_step = tfscale.checkpoint.restore(model, model_dir)
-    callbacks = [tfscale.callbacks.BackupAndResume(
+    callbacks = [tfscale.callbacks.TrainingCheckpoint(
         model_dir, strategy, 1,
-        record=lambda step: tfscale.batch_schedule.phase_record(phases, step))]
+        record=lambda step: tfscale.batch_growth.phase_record(phases, step))]
     if kill_at_step:
         callbacks.append(KillAtStep(kill_at_step))
     fits = []
-    for part in tfscale.batch_schedule.fit_parts(phases, start_step):
+    for part in tfscale.batch_growth.fit_parts(phases, start_step):
         fit = {"epochs": [part.initial_epoch, part.epochs],
                "steps_per_epoch": part.steps_per_epoch}
 

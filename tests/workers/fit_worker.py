@@ -5,7 +5,6 @@ Flags: --model=dense|bn (bn: with BatchNormalization), --steps, --global_batch,
 worker reports `model.predict` on the images the test serves).
 """
 
-import sys
 
 import numpy as np
 import tensorflow as tf

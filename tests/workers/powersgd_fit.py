@@ -116,8 +116,8 @@ def train(powersgd, callbacks=(), seed=0, accumulation_steps=None,
           steps_per_execution=1):
     options = dict(timeout_seconds=120)
     if powersgd:
-        options.update(compression="powersgd", powersgd_rank=RANK,
-                       powersgd_start_step=FLAGS.start_step)
+        options.update(compression="powersgd", powersgd=tfscale.PowerSGDOptions(
+            rank=RANK, start_step=FLAGS.start_step))
     strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(**options))
     keras.utils.set_random_seed(seed)
     with strategy.scope():

@@ -1,7 +1,7 @@
 """Keras callbacks for multi-worker training, one per module."""
 
 from tfscale.callbacks.backup_and_restore import BackupAndRestore
-from tfscale.callbacks.backup_and_resume import BackupAndResume
+from tfscale.callbacks.training_checkpoint import TrainingCheckpoint
 from tfscale.callbacks.recompute_batch_norm_statistics import RecomputeBatchNormStatistics
 from tfscale.callbacks.recompute_batch_norm_statistics import recompute_batch_norm_statistics
 from tfscale.callbacks.step_timer import StepTimer

@@ -6,7 +6,7 @@ import shutil
 
 import keras
 
-from tfscale import _tf_private
+from tfscale._private import keras_hooks
 from tfscale import checkpoint
 from tfscale._validation import is_int
 from tfscale.callbacks.chief_backup import ChiefBackup
@@ -99,7 +99,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._epoch = saved["epoch"]
             self._skip_batches = saved["batch"]
             self._skip_reads = self._position = saved["position"]
-            _tf_private.set_initial_epoch(model, saved["epoch"])
+            keras_hooks.set_initial_epoch(model, saved["epoch"])
         self._original_train_function = model.train_function
         model.train_function = self._train_function
 
@@ -116,9 +116,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{saved['epoch']} (batch {saved['batch']}), past the end of "
                 f"this fit (epochs={epochs}): one BackupAndRestore serves one "
                 "fit. For training in several fits (the phases of "
-                "tfscale.batch_schedule), restore with "
+                "tfscale.batch_growth), restore with "
                 "tfscale.checkpoint.restore and save with "
-                "tfscale.callbacks.BackupAndResume, as tfscale-train does. "
+                "tfscale.callbacks.TrainingCheckpoint, as tfscale-train does. "
                 f"Received: backup_dir={self.backup_dir!r}")
 
     def _train_function(self, iterator):
@@ -166,7 +166,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         model = self.model
         model.train_function = self._original_train_function
-        _tf_private.set_initial_epoch(model, None)
+        keras_hooks.set_initial_epoch(model, None)
         if self.delete_checkpoint:
             if self._is_chief():
                 shutil.rmtree(self.backup_dir, ignore_errors=True)

@@ -4,12 +4,12 @@ moving averages (Akiba et al. 2017)."""
 import keras
 import numpy as np
 
-from tfscale import _tf_private
+from tfscale._private import accessors
 from tfscale.callbacks.sync_batch_norm_statistics import batch_norm_synchronizer
 
 
 def _batch_norm_layers(model):
-    return [layer for layer in _tf_private.flatten_layers(model)
+    return [layer for layer in accessors.flatten_layers(model)
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 

@@ -3,13 +3,13 @@
 import keras
 import tensorflow as tf
 
-from tfscale import _tf_private
+from tfscale._private import accessors
 
 
 def batch_norm_statistics(model):
     """The moving mean/variance variables of every BatchNormalization layer."""
     variables = []
-    for layer in _tf_private.flatten_layers(model):
+    for layer in accessors.flatten_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
             variables += [layer.moving_mean, layer.moving_variance]
     return variables

@@ -17,7 +17,7 @@ class TerminateOnNonFiniteLoss(keras.callbacks.TerminateOnNaN):
     It raises (Keras's strict mode) rather than setting `stop_training`, so
     no later callback's `on_train_end` saves the bad step. The logged loss is
     averaged over all workers, so every worker sees it at the same step and
-    stops there together; place it before `BackupAndResume`.
+    stops there together; place it before `TrainingCheckpoint`.
     """
 
     def __init__(self):

@@ -6,7 +6,7 @@ import dataclasses
 from absl import logging
 import tensorflow as tf
 
-from tfscale import _tf_private
+from tfscale._private import accessors
 from tfscale.collectives import algorithms
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
@@ -33,7 +33,7 @@ def timed_all_reduce(reduce_fn, tensors, exposed_communication_seconds):
     Returns:
         What `reduce_fn` returns (tensors, or a nest of them).
     """
-    if _tf_private.in_xla_context():
+    if accessors.in_xla_context():
         return reduce_fn(tensors)
     with tf.control_dependencies(tf.nest.flatten(tensors)):
         inputs_ready = tf.timestamp()
@@ -51,7 +51,7 @@ def make_groups(world, topology):
     nothing but a handle.
 
     Args:
-        world: `CollectiveGroup` (tfscale._tf_private) of all workers.
+        world: `CollectiveGroup` (tfscale._private.tf_collectives) of all workers.
         topology: a `topology.Topology`.
     """
     groups = {

@@ -10,7 +10,7 @@ TensorFlow's names (`tf.distribute.experimental.CommunicationImplementation`):
   it. tfscale's "auto" does choose NCCL there.)
 
 What the NCCL path changes, from TensorFlow's sources (read, not run on a GPU
-by this project; see `tfscale._tf_private.CollectiveGroup`):
+by this project; see `tfscale._private.tf_collectives.CollectiveGroup`):
 
 - Every NCCL communicator of a GPU shares one NCCL stream
   (core/nccl/nccl_manager.cc, `device_to_comm_streams_`), and an NCCL kernel
@@ -28,10 +28,9 @@ by this project; see `tfscale._tf_private.CollectiveGroup`):
 
 import tensorflow as tf
 
-IMPLEMENTATIONS = ("auto", "ring", "nccl")
+from tfscale._private.tf_collectives import NCCL_DTYPES  # noqa: F401 (what NCCL sums)
 
-# What NCCL sums (nccl_manager.cc, kValidDataTypes).
-NCCL_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+IMPLEMENTATIONS = ("auto", "ring", "nccl")
 
 
 def check_implementation(implementation, num_gpus=None):

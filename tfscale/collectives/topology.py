@@ -157,7 +157,7 @@ def subgroup_indices(topology):
 
 
 # The highest sub-group index a strategy's collective keys leave room for
-# (tfscale._tf_private spaces the strategies of a process by it).
+# (tfscale._private.tf_collectives spaces the strategies of a process by it).
 MAX_SUBGROUP_INDEX = 98_999
 
 

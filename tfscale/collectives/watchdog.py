@@ -49,7 +49,7 @@ class Watchdog:
         timeout_seconds: the collective timeout, > 0.
         device: this worker's device, where the counters live.
         abort: `fn(message)` that fails every pending and later collective of
-            this process with `message` (`_tf_private.abort_collectives`).
+            this process with `message` (`tf_collectives.abort_collectives`).
         poll_seconds: how often the counters are read.
     """
 

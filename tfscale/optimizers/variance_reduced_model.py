@@ -222,11 +222,10 @@ def _all_reduce_sum(values):
 
 
 def _worker_share(strategy):
-    """(number of workers, this worker's index) for sharding the full pass."""
-    # Imported here: tfscale.strategy imports tfscale.optimizers.
-    from tfscale import strategy as strategy_module
-
-    if isinstance(strategy, strategy_module.KerasMultiWorkerMirroredStrategy):
+    """(number of workers, this worker's index) for sharding the full pass:
+    a tfscale strategy's (any with `num_workers` and `worker_index`, one
+    replica per worker), or (1, 0) with one replica."""
+    if hasattr(strategy, "num_workers") and hasattr(strategy, "worker_index"):
         return strategy.num_workers, strategy.worker_index
     if strategy.num_replicas_in_sync == 1:
         return 1, 0

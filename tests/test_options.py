@@ -1,5 +1,7 @@
-"""tfscale.CommunicationOptions: defaults, validation, config round trip."""
+"""tfscale.CommunicationOptions and PowerSGDOptions (collectives/options.py):
+defaults, validation, config round trip."""
 
+import dataclasses
 import re
 
 import pytest
@@ -9,6 +11,7 @@ import tfscale
 from tfscale.collectives import cost_model
 
 Options = tfscale.CommunicationOptions
+PowerSGD = tfscale.PowerSGDOptions
 
 
 def test_defaults():
@@ -21,9 +24,7 @@ def test_defaults():
         "timeout_seconds": 300,
         "cost_model": None,
         "time_all_reduces": True,
-        "powersgd_rank": None,
-        "powersgd_start_step": None,
-        "powersgd_min_compression_rate": None,
+        "powersgd": None,
         "implementation": "auto",
     }
 
@@ -38,14 +39,20 @@ def test_every_algorithm_and_compression_is_accepted():
 
 
 def test_powersgd_defaults_follow_pytorch_and_can_be_set():
-    options = Options(compression="powersgd")
-    assert (options.powersgd_rank, options.powersgd_start_step,
-            options.powersgd_min_compression_rate) == (4, 10, 2.0)
-    options = Options(compression="powersgd", powersgd_rank=1, powersgd_start_step=0,
-                      powersgd_min_compression_rate=1)
-    assert (options.powersgd_rank, options.powersgd_start_step,
-            options.powersgd_min_compression_rate) == (1, 0, 1.0)
+    assert Options(compression="powersgd").powersgd == PowerSGD(
+        rank=4, start_step=10, min_compression_rate=2.0)
+    options = Options(compression="powersgd",
+                      powersgd=PowerSGD(rank=1, start_step=0, min_compression_rate=1))
+    assert options.powersgd.get_config() == {
+        "rank": 1, "start_step": 0, "min_compression_rate": 1.0}
     assert Options.from_config(options.get_config()) == options
+
+
+def test_options_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Options().algorithm = "ring"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PowerSGD().rank = 2
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -72,23 +79,10 @@ def test_powersgd_defaults_follow_pytorch_and_can_be_set():
     ({"compression": "int8"},
      "Argument `compression` must be None or one of ['bfloat16', 'float16', "
      "'powersgd']. Received: compression='int8'"),
-    ({"compression": "bfloat16", "powersgd_rank": 2},
-     "Argument `powersgd_rank` only applies to compression='powersgd'; this is "
-     "compression='bfloat16'. Received: powersgd_rank=2"),
-    ({"powersgd_start_step": 5},
-     "Argument `powersgd_start_step` only applies to compression='powersgd'; "
-     "this is compression=None. Received: powersgd_start_step=5"),
-    ({"compression": "powersgd", "powersgd_rank": 0},
-     "Argument `powersgd_rank` must be an integer >= 1 (the rank of the "
-     "factors). Received: powersgd_rank=0"),
-    ({"compression": "powersgd", "powersgd_start_step": -1},
-     "Argument `powersgd_start_step` must be an integer >= 0 (optimizer updates "
-     "all-reduced uncompressed before PowerSGD starts). "
-     "Received: powersgd_start_step=-1"),
-    ({"compression": "powersgd", "powersgd_min_compression_rate": 0.5},
-     "Argument `powersgd_min_compression_rate` must be a number >= 1 (a matrix "
-     "is compressed only if it shrinks at least this many times). "
-     "Received: powersgd_min_compression_rate=0.5"),
+    ({"compression": "bfloat16", "powersgd": PowerSGD(rank=2)},
+     "Argument `powersgd` only applies to compression='powersgd'; this is "
+     "compression='bfloat16'. Received: powersgd=PowerSGDOptions(rank=2, "
+     "start_step=10, min_compression_rate=2.0)"),
     ({"implementation": "NCCL"},
      "Argument `implementation` must be one of ['auto', 'ring', 'nccl']. "
      "Received: implementation='NCCL'"),
@@ -99,6 +93,21 @@ def test_powersgd_defaults_follow_pytorch_and_can_be_set():
 def test_bad_values_name_the_argument_and_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         Options(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"rank": 0}, "Argument `rank` must be an integer >= 1 (the rank of the "
+     "factors). Received: rank=0"),
+    ({"start_step": -1}, "Argument `start_step` must be an integer >= 0 "
+     "(optimizer updates all-reduced uncompressed before PowerSGD starts). "
+     "Received: start_step=-1"),
+    ({"min_compression_rate": 0.5}, "Argument `min_compression_rate` must be a "
+     "number >= 1 (a matrix is compressed only if it shrinks at least this many "
+     "times). Received: min_compression_rate=0.5"),
+])
+def test_bad_powersgd_values_name_the_argument_and_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PowerSGD(**kwargs)
 
 
 def test_cost_model_must_be_a_cost_model():
@@ -126,9 +135,8 @@ def test_repr_shows_every_argument():
     assert repr(Options(algorithm="2d", local_size=2)) == (
         "CommunicationOptions(algorithm='2d', fusion_threshold_bytes=33554432, "
         "hybrid_threshold_bytes=None, local_size=2, compression=None, "
-        "timeout_seconds=300, cost_model=None, time_all_reduces=True, "
-        "powersgd_rank=None, powersgd_start_step=None, "
-        "powersgd_min_compression_rate=None, implementation='auto')")
+        "timeout_seconds=300.0, cost_model=None, time_all_reduces=True, "
+        "powersgd=None, implementation='auto')")
 
 
 def test_time_all_reduces_must_be_a_bool():

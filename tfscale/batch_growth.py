@@ -25,9 +25,9 @@ before it stopped (`Phase.first_example`), so its global batches are the
 same for any number of workers.
 
 ```python
-phases = tfscale.batch_schedule.phases("2:2", global_batch_size=64,
+phases = tfscale.batch_growth.phases("2:2", global_batch_size=64,
                                        steps_per_epoch=22, epochs=4)
-for part in tfscale.batch_schedule.fit_parts(phases, start_step=0):
+for part in tfscale.batch_growth.fit_parts(phases, start_step=0):
     dataset = ...  # batches of part.phase.global_batch_size from example
                    # part.phase.first_example + part.data_step * that batch
     model.fit(dataset, initial_epoch=part.initial_epoch, epochs=part.epochs,
@@ -37,7 +37,7 @@ for part in tfscale.batch_schedule.fit_parts(phases, start_step=0):
 `tfscale.recipes.Settings(batch_schedule=..., max_global_batch_size=...)`
 builds the matching learning-rate schedule (`recipes.make_optimizer`). To
 resume mid-phase, restore with `tfscale.checkpoint.restore` (its step is
-`fit_parts`' `start_step`) and save with `tfscale.callbacks.BackupAndResume`
+`fit_parts`' `start_step`) and save with `tfscale.callbacks.TrainingCheckpoint`
 (`record=lambda step: phase_record(phases, step)` names the phase in each
 checkpoint); `BackupAndRestore` serves a single fit.
 """

@@ -1,8 +1,8 @@
-"""Keras's own file-writing callbacks under a multi-worker tfscale strategy.
+"""What tfscale checks and changes at the start of each `fit`, `evaluate` or
+`predict` under a multi-worker strategy (before the callbacks see the model).
 
 Every worker runs the same script, so every worker's `fit` holds the same
-callbacks writing to the same paths. At the start of each `fit` under a
-strategy with two or more workers (before the callbacks see the model):
+callbacks writing to the same paths:
 
 - `keras.callbacks.BackupAndRestore` is refused on every worker, naming
   `tfscale.callbacks.BackupAndRestore`: its workers would all write the same
@@ -13,6 +13,16 @@ strategy with two or more workers (before the callbacks see the model):
   when `fit` ends, as TensorFlow's Keras 2 multi-worker code did. They need
   nothing from the other workers: the logs they see are averaged over all
   workers already.
+
+And `jit_compile=True` (XLA) on two or more CPU workers is refused in one
+line: XLA compiles collectives on GPUs, but not on CPUs, where the step would
+fail deep in graph execution ("Collectives are not yet implemented for CPU
+devices when compiling with XLA"). Keras's default, `jit_compile="auto"`, is
+`False` under a distribution strategy. Steps compiled by XLA are not timed
+(see `CommunicationOptions.time_all_reduces`).
+
+`tfscale.strategy` installs these with a predicate that tells its
+strategies (`install`); this module imports no strategy.
 """
 
 import atexit
@@ -21,8 +31,10 @@ import shutil
 import tempfile
 
 import keras
+import tensorflow as tf
 
-from tfscale import _tf_private
+from tfscale._private import accessors
+from tfscale._private import keras_hooks
 
 # callback class -> the attribute holding the path it writes to
 _REDIRECTED = {
@@ -33,26 +45,48 @@ _REDIRECTED = {
 # id(callback) -> (callback, attribute, user's path) of each redirected one
 _redirected = {}
 _temporary_dirs = []
+# `applies(strategy)`: whether the rules apply to a model under `strategy`
+# (given to `install`).
+_applies = [lambda strategy: False]
 
 
-def install():
-    """Applies this module's rules to every later `fit` (once per process)."""
-    _tf_private.add_fit_hooks(_on_set_model, _on_train_end)
+def install(applies):
+    """Applies this module's rules to every later `fit` of a model whose
+    strategy `applies(strategy)` accepts and has two or more workers (once
+    per process; a second call replaces `applies`)."""
+    _applies[0] = applies
+    keras_hooks.add_fit_hooks(_on_set_model, _on_train_end)
 
 
 def _multi_worker_strategy(model):
-    from tfscale.strategy import KerasMultiWorkerMirroredStrategy
-
     strategy = getattr(model, "distribute_strategy", None)
-    if isinstance(strategy, KerasMultiWorkerMirroredStrategy) and strategy.num_workers > 1:
+    if strategy is not None and _applies[0](strategy) and strategy.num_workers > 1:
         return strategy
     return None
+
+
+def check_jit_compile(model, strategy):
+    """Raises ValueError if `model` compiles with XLA on 2+ CPU workers."""
+    if not model.jit_compile or strategy.num_workers < 2:
+        return
+    devices = accessors.local_devices(strategy)
+    if any(tf.DeviceSpec.from_string(d).device_type != "CPU" for d in devices):
+        return
+    raise ValueError(
+        f"jit_compile=True cannot run on {strategy.num_workers} workers on CPU: "
+        "XLA does not compile collectives for CPU devices (TensorFlow: "
+        "'Collectives are not yet implemented for CPU devices when compiling "
+        "with XLA'). Compile with jit_compile=False, or keep Keras's default "
+        "'auto' (False under a distribution strategy); on GPUs XLA compiles "
+        f"them. Received: jit_compile=True, devices={devices}"
+    )
 
 
 def _on_set_model(callback_list, model):
     strategy = _multi_worker_strategy(model)
     if strategy is None:
         return
+    check_jit_compile(model, strategy)
     for callback in callback_list.callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Growing the batch instead of decaying the learning rate (tfscale.batch_schedule).
+"""Growing the batch instead of decaying the learning rate (tfscale.batch_growth).
 
 Single-process: the phase arithmetic (Smith et al.'s Figure 1 schedules),
 the fits a resume runs, the learning rate the recipes derive, the refusals,
@@ -17,28 +17,28 @@ import keras
 import numpy as np
 import pytest
 
-from tfscale import batch_schedule
+from tfscale import batch_growth
 from tfscale import recipes
 from tfscale import schedules
 from tests import multiworker
 
 
 def test_parse_reads_epoch_factor_pairs_and_refuses_bad_text():
-    assert batch_schedule.parse("30:5,60:5, 80 : 5") == ((30, 5), (60, 5), (80, 5))
-    assert batch_schedule.parse([(30, 5), (60, 2)]) == ((30, 5), (60, 2))
-    assert batch_schedule.parse("") == batch_schedule.parse(None) == ()
-    assert batch_schedule.to_string(((30, 5), (60, 2))) == "30:5,60:2"
+    assert batch_growth.parse("30:5,60:5, 80 : 5") == ((30, 5), (60, 5), (80, 5))
+    assert batch_growth.parse([(30, 5), (60, 2)]) == ((30, 5), (60, 2))
+    assert batch_growth.parse("") == batch_growth.parse(None) == ()
+    assert batch_growth.to_string(((30, 5), (60, 2))) == "30:5,60:2"
     with pytest.raises(ValueError, match=r"must be comma-separated epoch:factor "
                        r"pairs.*Received: batch_schedule='30x5', which has '30x5'"):
-        batch_schedule.parse("30x5")
+        batch_growth.parse("30x5")
     with pytest.raises(ValueError, match=r"each later than the one before. "
                        r"Received: epoch 30 after 60"):
-        batch_schedule.parse("60:5,30:5")
+        batch_growth.parse("60:5,30:5")
     with pytest.raises(ValueError, match=r"Received: epoch 0 after 0"):
-        batch_schedule.parse("0:2")
+        batch_growth.parse("0:2")
     with pytest.raises(ValueError, match=r"factors must be integers >= 2. "
                        r"Received: factor 1 at epoch 30"):
-        batch_schedule.parse("30:1")
+        batch_growth.parse("30:1")
 
 
 def _summary(phases):
@@ -53,53 +53,53 @@ def test_phases_of_smith_et_al_figure_1_schedules():
     # "increasing batch size" multiplies the batch by 5 there instead, and
     # "hybrid" grows it once (a limit of 640) and then decays.
     args = ("60:5,120:5,160:5", 128, 390, 200)
-    growing = batch_schedule.phases(*args)
+    growing = batch_growth.phases(*args)
     assert _summary(growing) == [
         (0, 60, 128, 390, 1, 0, 0),
         (60, 120, 640, 78, 1, 23400, 2995200),
         (120, 160, 3200, 15, 1, 28080, 5990400),
         (160, 200, 16000, 3, 1, 28680, 7910400)]
     assert growing[-1].end_step == 28800
-    decaying = batch_schedule.phases(*args, max_global_batch_size=128)
+    decaying = batch_growth.phases(*args, max_global_batch_size=128)
     assert [(p.global_batch_size, p.learning_rate_divisor) for p in decaying] == [
         (128, 1), (128, 5), (128, 25), (128, 125)]
     assert decaying[-1].end_step == 200 * 390  # 78,000 updates
-    hybrid = batch_schedule.phases(*args, max_global_batch_size=640)
+    hybrid = batch_growth.phases(*args, max_global_batch_size=640)
     assert [(p.global_batch_size, p.steps_per_epoch, p.learning_rate_divisor)
             for p in hybrid] == [(128, 390, 1), (640, 78, 1), (640, 78, 5),
                                  (640, 78, 25)]
     assert hybrid[-1].end_step == 60 * 390 + 140 * 78  # 34,320 updates
     # Without a schedule: one phase, today's arithmetic.
-    assert _summary(batch_schedule.phases("", 32, 10, 3)) == [
+    assert _summary(batch_growth.phases("", 32, 10, 3)) == [
         (0, 3, 32, 10, 1, 0, 0)]
 
 
 def test_phases_refuse_events_past_training_and_batches_past_an_epoch():
     with pytest.raises(ValueError, match=r"event at epoch 3 is not before the "
                        r"end of training \(3 epochs, numbered 0-2\)"):
-        batch_schedule.phases("1:2,3:2", 16, 4, 3)
+        batch_growth.phases("1:2,3:2", 16, 4, 3)
     with pytest.raises(ValueError, match=r"The global batch of phase 2 "
                        r"\(epochs 1-2\), 1600, is larger than an epoch \(64 "
                        r"examples: 4 steps of 16\)"):
-        batch_schedule.phases("1:100", 16, 4, 3)
+        batch_growth.phases("1:100", 16, 4, 3)
     with pytest.raises(ValueError, match=r"`max_global_batch_size` must be at "
                        r"least the first global batch \(16\) or 0"):
-        batch_schedule.phases("1:2", 16, 4, 3, max_global_batch_size=8)
+        batch_growth.phases("1:2", 16, 4, 3, max_global_batch_size=8)
 
 
 def test_check_phases_names_the_phase_that_does_not_cut_into_micro_batches():
-    phases = batch_schedule.phases("1:2", 12, 4, 2)
-    batch_schedule.check_phases(phases, accumulation_steps=4)
+    phases = batch_growth.phases("1:2", 12, 4, 2)
+    batch_growth.check_phases(phases, accumulation_steps=4)
     with pytest.raises(ValueError, match=r"The global batch of phase 1 \(epochs "
                        r"0-0\), 12, does not cut into accumulation_steps \(8\) "
                        r"equal micro-batches. Choose a first global batch and "
                        r"factors whose products divide by 8."):
-        batch_schedule.check_phases(phases, accumulation_steps=8)
+        batch_growth.check_phases(phases, accumulation_steps=8)
     # Phases of a hand-made list are each checked: the second is named.
-    odd = [phases[0], batch_schedule.Phase(1, 1, 2, 18, 3, 1, 4, 48)]
+    odd = [phases[0], batch_growth.Phase(1, 1, 2, 18, 3, 1, 4, 48)]
     with pytest.raises(ValueError, match=r"phase 2 \(epochs 1-1\), 18, does "
                        r"not cut into accumulation_steps \(4\)"):
-        batch_schedule.check_phases(odd, accumulation_steps=4)
+        batch_growth.check_phases(odd, accumulation_steps=4)
 
 
 def _parts(parts):
@@ -110,44 +110,44 @@ def _parts(parts):
 def test_fit_parts_resume_mid_phase_and_mid_epoch():
     # 16 x 4 steps in epoch 0; 32 x 2 in epochs 1 and 2 (the cap: the
     # learning rate halves at epoch 2).
-    phases = batch_schedule.phases("1:2,2:2", 16, 4, 3, max_global_batch_size=32)
-    assert _parts(batch_schedule.fit_parts(phases)) == [
+    phases = batch_growth.phases("1:2,2:2", 16, 4, 3, max_global_batch_size=32)
+    assert _parts(batch_growth.fit_parts(phases)) == [
         (0, 0, 1, 4, 0), (1, 1, 2, 2, 0), (2, 2, 3, 2, 0)]
     # Killed after update 5: one update into phase 2's only epoch.
-    assert _parts(batch_schedule.fit_parts(phases, 5)) == [
+    assert _parts(batch_growth.fit_parts(phases, 5)) == [
         (1, 1, 2, 1, 1), (2, 2, 3, 2, 0)]
-    assert _parts(batch_schedule.fit_parts(phases, 6)) == [(2, 2, 3, 2, 0)]
-    assert batch_schedule.fit_parts(phases, 8) == []
+    assert _parts(batch_growth.fit_parts(phases, 6)) == [(2, 2, 3, 2, 0)]
+    assert batch_growth.fit_parts(phases, 8) == []
     # Accumulating 2 micro-batches per update: fit steps are micro-batches.
-    assert _parts(batch_schedule.fit_parts(phases, 10, accumulation_steps=2)) == [
+    assert _parts(batch_growth.fit_parts(phases, 10, accumulation_steps=2)) == [
         (1, 1, 2, 2, 2), (2, 2, 3, 4, 0)]
     # One phase: what tfscale-train did before batch schedules.
-    single = batch_schedule.phases("", 32, 10, 3)
-    assert _parts(batch_schedule.fit_parts(single, 13)) == [
+    single = batch_growth.phases("", 32, 10, 3)
+    assert _parts(batch_growth.fit_parts(single, 13)) == [
         (0, 1, 2, 7, 13), (0, 2, 3, 10, 20)]
 
 
 def test_phase_record_and_a_resume_under_another_schedule_is_refused():
-    phases = batch_schedule.phases("1:2,2:2", 16, 4, 3, max_global_batch_size=32)
-    assert batch_schedule.phase_record(phases, 5) == {
+    phases = batch_growth.phases("1:2,2:2", 16, 4, 3, max_global_batch_size=32)
+    assert batch_growth.phase_record(phases, 5) == {
         "phase": 1, "global_batch_size": 32, "epoch": 1}
-    assert batch_schedule.phase_record(phases, 4) == {
+    assert batch_growth.phase_record(phases, 4) == {
         "phase": 1, "global_batch_size": 32, "epoch": 1}
-    assert batch_schedule.phase_record(phases, 8) == {
+    assert batch_growth.phase_record(phases, 8) == {
         "phase": 2, "global_batch_size": 32, "epoch": 3}
-    assert batch_schedule.phase_record(phases, 10, accumulation_steps=2) == {
+    assert batch_growth.phase_record(phases, 10, accumulation_steps=2) == {
         "phase": 1, "global_batch_size": 32, "epoch": 1}
     saved = {"step": 5, "checkpoint": "step-000000005",
-             **batch_schedule.phase_record(phases, 5)}
-    batch_schedule.check_record(phases, saved)
-    batch_schedule.check_record(phases, None)
-    other = batch_schedule.phases("2:2", 16, 4, 3)
+             **batch_growth.phase_record(phases, 5)}
+    batch_growth.check_record(phases, saved)
+    batch_growth.check_record(phases, None)
+    other = batch_growth.phases("2:2", 16, 4, 3)
     with pytest.raises(ValueError, match=r"The checkpoint of step 5 was saved in "
                        r"phase 2 \(global batch 32, epoch 1\), but this batch "
                        r"schedule puts that step in phase 1 \(global batch 16, "
                        r"epoch 1\); resume with the batch schedule it was "
                        r"trained with."):
-        batch_schedule.check_record(other, saved)
+        batch_growth.check_record(other, saved)
 
 
 def _rates(schedule, steps):
@@ -220,6 +220,7 @@ def _train(args, cwd, timeout=240):
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+@pytest.mark.multiworker
 def test_tfscale_train_grows_the_batch_and_records_the_phase(tmp_path):
     """One worker: the log names each phase, the checkpoint holds the
     updates of the grown batches and the phase it ends in."""
@@ -241,6 +242,7 @@ def test_tfscale_train_grows_the_batch_and_records_the_phase(tmp_path):
     assert (saved["batch_schedule"], saved["max_global_batch_size"]) == ("1:2,2:2", 32)
 
 
+@pytest.mark.multiworker
 def test_tfscale_train_refuses_a_phase_that_does_not_cut_into_micro_batches(tmp_path):
     process = _train(["--global_batch_size=32", "--batch_schedule=1:2",
                       "--epochs=2", "--accumulation_steps=3", "--export_dir="],
@@ -252,6 +254,7 @@ def test_tfscale_train_refuses_a_phase_that_does_not_cut_into_micro_batches(tmp_
             ) in process.stdout, process.stdout[-3000:]
 
 
+@pytest.mark.multiworker
 def test_two_workers_grow_the_batch_and_a_run_killed_mid_phase_resumes_bitwise(tmp_path):
     """2 workers, digits, batch 16 for epoch 0, 32 from epoch 1, the rate
     halved from epoch 2 (cap 32). A run whose processes are SIGKILLed right after

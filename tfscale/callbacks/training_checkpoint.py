@@ -1,4 +1,4 @@
-"""`BackupAndResume`: checkpoints of the whole training state, chief only."""
+"""`TrainingCheckpoint`: checkpoints of the whole training state, chief only."""
 
 import keras
 
@@ -6,7 +6,7 @@ from tfscale import checkpoint
 from tfscale.callbacks.chief_backup import ChiefBackup
 
 
-class BackupAndResume(keras.callbacks.Callback):
+class TrainingCheckpoint(keras.callbacks.Callback):
     """Saves the training state every `save_steps` steps and at the end.
 
     Every worker must use it (BatchNorm statistics are averaged across
@@ -19,7 +19,7 @@ class BackupAndResume(keras.callbacks.Callback):
         save_steps: steps between checkpoints.
         record: optional function of the step returning a JSON-able dict
             saved with each checkpoint (`tfscale.checkpoint.state` reads
-            it), e.g. `tfscale.batch_schedule.phase_record`'s phase.
+            it), e.g. `tfscale.batch_growth.phase_record`'s phase.
     """
 
     def __init__(self, directory, strategy, save_steps, record=None):

@@ -1,0 +1,137 @@
+"""Every private TensorFlow/Keras API that tfscale uses, and nothing else.
+
+The bottom layer of tfscale: it imports nothing of tfscale; what it needs
+(key ranges, reducers, predicates) is passed in. Three modules:
+`tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
+`keras_hooks` (Keras's methods routed), `accessors` (state with no public
+accessor).
+
+TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
+all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
+needs both. Those uses are confined to this module so that a TensorFlow or
+Keras upgrade has one place to check; tests/test_private_api.py fails if any
+other module touches a private attribute. Each use, what it is for, and the
+test that fails loudly when it stops working (versions pinned in setup.py):
+
+- `CollectiveAllReduce._all_reduce` (overridden by
+  `TfscaleCollectiveAllReduce`) and `strategy.extended._cross_device_ops`:
+  route Keras's gradient, loss and metric all-reduces to tfscale.
+  tests/test_strategy.py, test_gradients_are_routed_through_tfscale_cross_device_ops.
+- `_TimedCollectiveAllReduce`: times stock MWMS's own all-reduces for the
+  benchmarks. tests/test_strategy.py, test_stock_strategy_times_its_all_reduces.
+- `CollectiveReplicaLauncher._next_instance_key` (overridden by
+  `_LoopSafeLauncher`, installed in every `CollectiveAllReduce` tfscale's
+  strategies use, as its `_launchers`): collectives that Keras runs in
+  its `steps_per_execution` while loop get an instance key fixed when traced,
+  because TensorFlow never feeds the call-time key there (see the class).
+  tests/test_steps_per_execution.py, test_loop_instance_keys_are_fixed_at_trace_time.
+- `CollectiveReplicaLauncher` / `CollectiveKeys` / `collective_ops`: raw
+  collectives over sub-groups of the cluster (`CollectiveGroup`).
+  tests/test_collectives.py (float64-oracle all-reduces of every algorithm).
+  On the NCCL path every group of a worker takes the ordering token of one
+  launcher (`_get_ordering_token`), so that `tf.function`'s automatic
+  control dependencies chain all its NCCL collectives; `standalone_group`
+  builds a group outside a strategy to trace that graph on CPU.
+  tests/test_nccl_graph.py, test_nccl_chains_every_collective_of_a_worker_in_one_shared_order.
+- `MultiWorkerMirroredStrategy._collective_key_base`: fresh group keys for
+  each Strategy built in one process (`take_collective_keys`), and
+  `context.wait_at_barrier`, the coordination service's barrier that keeps
+  workers from using a new strategy's collectives before every worker has
+  re-enabled them (`wait_for_all_workers`). tests/test_collectives.py, where
+  each configuration is its own Strategy (it hung without the barrier), and
+  tests/test_strategy.py, test_several_strategies_train_in_one_process.
+  The same `context.coordination_service` tells `cluster_connected`, so that
+  only a process's first strategy waits for its peers (`tfscale.startup`):
+  tests/test_startup.py, which needs the wait, and
+  test_several_strategies_train_in_one_process, where a second wait would
+  find the port held by TensorFlow.
+- `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
+  cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
+- `Model._flatten_layers` (`flatten_layers`): every nested layer, to find
+  BatchNorm statistics. tests/reliability/test_batch_norm_sync.py.
+- Keras's `seed_generator_state` variable path (`seed_generator_states`):
+  Dropout's random state, which `tf.train.Checkpoint` does not reach through
+  the model. tests/reliability/test_resume.py (bitwise-equal resume).
+- The name `LossScaleOptimizer` in `keras.src.trainers.trainer`, which
+  `Model.compile` wraps its optimizer in under `mixed_float16`
+  (`route_compile_loss_scaling`): under a `tfscale.Strategy` compile builds
+  `tfscale.optimizers.LossScaleOptimizer`. tests/test_loss_scale.py,
+  test_compile_wraps_in_tfscale_loss_scale_under_a_tfscale_strategy (one
+  process) and test_keras_guide_mixed_float16_fit_agrees_to_skip (2 workers).
+- `TFOptimizer._backend_apply_gradients` (replaced by
+  `route_optimizer_updates`; it calls Keras's `_clip_gradients`,
+  `_apply_weight_decay`, `_distributed_tf_update_step`,
+  `_backend_increment_gradient_accumulators`,
+  `_backend_reset_gradient_accumulators`, `_accumulated_gradients`,
+  `_get_variable_index`, `_iterations`): under a `tfscale.Strategy` every Keras
+  optimizer all-reduces its gradients first, then clips and decays the
+  all-reduced gradient, and accumulates local gradients with one all-reduce
+  per accumulated step (`gradient_accumulation_steps`); with
+  `compression="powersgd"` the strategy's `powersgd` sums the gradients
+  there (tests/test_powersgd.py).
+  tests/test_accumulation.py, test_hook_is_installed_on_keras_optimizers
+  (one process) and its 2-worker tests. `_iterations` also gives
+  `batches_taken`, the data position checkpoints record:
+  test_tfscale_train_accumulation_steps.
+- `Model._initial_epoch` (`set_initial_epoch`): the epoch a `fit` already
+  under way starts from, as Keras's own BackupAndRestore sets it.
+  tests/test_backup_and_restore.py, test_resumes_at_the_saved_step.
+- `fit` calling `keras.callbacks.CallbackList.set_model` before training
+  and `on_train_end` after it (`add_fit_hooks`): where tfscale sees the
+  user's callbacks, which `fit` gets and the strategy does not.
+  tests/test_fit_hooks.py, test_fit_calls_the_hooks.
+- `keras.src.losses.loss.scale_loss_for_distribution` and
+  `unscale_loss_for_distribution` (`route_loss_scaling`): Keras's
+  `1 / num_workers` loss scaling, which Keras's losses, its train and test
+  steps and its loss metrics look up in that module, becomes each worker's
+  share of the step's examples under a `tfscale.Strategy`
+  (`tfscale.uneven_data`).
+  tests/test_uneven_data.py, test_keras_looks_up_the_routed_loss_scaling.
+- Keras's step functions (`keras_step`): `fit` and `evaluate` pass the
+  model's bound `train_step` / `test_step` to `strategy.run`, `predict` its
+  local `one_step_on_data`; their batches are padded where empty
+  (`tfscale.uneven_data`).
+  tests/test_uneven_data.py (3 workers, a worker without examples in
+  fit, evaluate and predict).
+- `DistributedDatasetsFromFunction._cardinality` and
+  `_enable_get_next_as_optional` (`set_cardinality`): the batches of each
+  worker's own pipeline, which Keras runs as many steps of, agreed among the
+  workers (`tfscale.uneven_data.agreed_cardinality`).
+  tests/test_uneven_data.py, the `ran_out` scenario (workers whose pipelines
+  hold 2, 3 and 4 batches).
+- `TensorFlowTrainer._maybe_symbolic_build` (`route_symbolic_build`): Keras
+  builds the model from the first batch MEAN-reduced over the workers, which
+  fails when their batches differ in size (a global batch 3 workers cannot
+  share); it is built from this worker's batch instead.
+  tests/test_uneven_data.py, test_symbolic_build_is_routed.
+- `context.context().abort_collective_ops` (`abort_collectives`): the
+  collective timeout of tfscale's collectives, kept by one watchdog thread
+  per worker instead of TensorFlow's thread per timed op
+  (`tfscale.collectives.watchdog`). tests/test_watchdog.py,
+  test_a_stalled_worker_fails_the_others_after_the_timeout.
+- `control_flow_util.GraphOrParentsInXlaContext` (`in_xla_context`): whether
+  the function being traced is compiled by XLA (`jit_compile=True`), as MWMS
+  asks it to choose between merge_call and not; XLA has no kernel for
+  `tf.timestamp`, so compiled steps go untimed.
+  tests/test_fit_hooks.py, test_in_xla_context_sees_jit_compile.
+"""
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+TESTED_VERSIONS = {"tensorflow": "2.21.", "keras": "3.15."}
+
+def check_versions():
+    """Warns when TensorFlow or Keras differ from the tested versions."""
+    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
+    for package, prefix in TESTED_VERSIONS.items():
+        if not found[package].startswith(prefix):
+            logging.warning(
+                "tfscale was tested with %s %sx and uses its private APIs; "
+                "found %s. Install the pinned versions (pip install tfscale "
+                "resolves them) if multi-worker training misbehaves.",
+                package,
+                prefix,
+                found[package],
+            )

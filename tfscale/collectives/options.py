@@ -1,0 +1,271 @@
+"""`CommunicationOptions` and `PowerSGDOptions`: how `tfscale.Strategy`
+all-reduces, validated from the tables below (as `tfscale.recipes.Settings`
+is), frozen, and serializable (`get_config`, `from_config`)."""
+
+import dataclasses
+import math
+
+import tensorflow as tf
+
+from tfscale import _validation
+from tfscale.collectives import cost_model as cost_model_lib
+from tfscale.collectives import implementation as implementation_lib
+from tfscale.collectives import powersgd as powersgd_lib
+from tfscale.collectives.plan import ALGORITHMS
+from tfscale.collectives.plan import COMPRESSIONS
+
+_MiB = 1024 * 1024
+# What `CommunicationOptions(compression=...)` takes: a 16-bit wire dtype, or
+# PowerSGD's low-rank factors.
+COMPRESSION_CHOICES = (*COMPRESSIONS, powersgd_lib.NAME)
+
+
+def _integer(minimum):
+    return lambda v: _validation.is_int(v) and v >= minimum
+
+
+def _number(minimum, strict=False):
+    return lambda v: (_validation.is_number(v) and math.isfinite(v)
+                      and (v > minimum if strict else v >= minimum))
+
+
+def _check(name, value, rule, ok, none_means=None):
+    """Raises ValueError naming `name` and `rule` unless `ok(value)` (or the
+    value is None where `none_means` says what None does)."""
+    if value is None and none_means is not None:
+        return
+    if not ok(value):
+        none = f", or None {none_means}" if none_means else ""
+        raise ValueError(f"Argument `{name}` must be {rule}{none}. "
+                         f"Received: {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGDOptions:
+    """PowerSGD's settings (Vogels, Karimireddy and Jaggi 2019; the names of
+    PyTorch's `PowerSGDState` in brackets).
+
+    Args:
+        rank: the rank r of the factors (`matrix_approximation_rank`).
+        start_step: optimizer updates all-reduced uncompressed before
+            compression starts (`start_powerSGD_iter`).
+        min_compression_rate: a matrix is compressed only if it shrinks at
+            least this many times, else it is all-reduced as it is
+            (`min_compression_rate`).
+    """
+
+    rank: int = powersgd_lib.DEFAULT_RANK
+    start_step: int = powersgd_lib.DEFAULT_START_STEP
+    min_compression_rate: float = powersgd_lib.DEFAULT_MIN_COMPRESSION_RATE
+
+    # (field, rule, check) of each argument.
+    _RULES = (
+        ("rank", "an integer >= 1 (the rank of the factors)", _integer(1)),
+        ("start_step", "an integer >= 0 (optimizer updates all-reduced "
+         "uncompressed before PowerSGD starts)", _integer(0)),
+        ("min_compression_rate", "a number >= 1 (a matrix is compressed only if "
+         "it shrinks at least this many times)", _number(1)),
+    )
+
+    def __post_init__(self):
+        for name, rule, ok in self._RULES:
+            _check(name, getattr(self, name), rule, ok)
+        object.__setattr__(self, "min_compression_rate",
+                           float(self.min_compression_rate))
+
+    def get_config(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How `tfscale.Strategy` all-reduces.
+
+    Gradients are packed, last layer first, into buffers of about
+    `fusion_threshold_bytes` (tensor fusion); each buffer is all-reduced on
+    its own, by the algorithm chosen for it:
+
+    - `"ring"`: one flat ring through all workers. Bandwidth-optimal; its
+      2(n-1) latency steps all cross the slowest link.
+    - `"hierarchical"`: all-reduce inside each node, all-reduce among the
+      node leaders, broadcast inside each node (Jia et al. 2018, 4.2). Fewer
+      latency steps, and only one stream per node leaves the node.
+    - `"2d"`: all-reduce inside each node, then each worker all-reduces its
+      1/k shard with the workers of the same local rank in the other nodes,
+      then an all-gather inside the node. Nodes must have equal sizes.
+    - `"halving_doubling"`: recursive halving, then recursive doubling, over
+      pairs of workers (Thakur, Rabenseifner and Gropp 2005; Goyal et al.
+      2017): 2 log2(n) latency steps instead of the ring's 2(n-1), the same
+      bytes; any number of workers (2 more steps when n is not a power of
+      two).
+    - `"hybrid"`: per buffer, `"hierarchical"` below `hybrid_threshold_bytes`
+      and `"ring"` at or above it (Jia et al. 2018, 4.3); without a
+      threshold, the fastest of ring, hierarchical and halving_doubling by
+      `cost_model`'s prediction.
+
+    With one node, or one worker per node, "hierarchical" and "2d" run as a
+    ring.
+    The plan (each buffer's size and algorithm) is logged once on the chief.
+
+    Args:
+        algorithm: `"hybrid"` (default), `"ring"`, `"hierarchical"`, `"2d"`
+            or `"halving_doubling"`.
+        fusion_threshold_bytes: buffer size at which a fused buffer is closed
+            and sent; 0 sends each tensor on its own.
+        hybrid_threshold_bytes: `"hybrid"` only: bytes on the wire at which a
+            buffer goes by ring instead of hierarchical. `None`: each buffer
+            takes the algorithm `cost_model` predicts fastest.
+        local_size: workers per node. `None`: workers on the same host in
+            TF_CONFIG form a node. Otherwise consecutive workers are grouped
+            `local_size` at a time (4 workers on one host with `local_size=2`
+            act as 2 nodes of 2); the last node is smaller when it does not
+            divide the number of workers.
+        compression: `None`, `"bfloat16"`, `"float16"` or `"powersgd"`.
+            `"bfloat16"`, `"float16"`: float32 buffers
+            travel and are summed in that 16-bit type and come back float32
+            (half the bytes; on n workers an error of at most about n * 2**-8
+            (bfloat16) or n * 2**-11 (float16) times the sum of the values'
+            magnitudes). bfloat16 keeps
+            float32's range; float16 is scaled per buffer so its sum cannot
+            overflow. Other dtypes, and lone scalars (losses, metrics), travel
+            as they are. See
+            `tfscale.collectives.compression`.
+            `"powersgd"`: each float32 gradient matrix (conv kernels
+            reshaped) travels as two rank-`powersgd.rank` factors, with the
+            compression error kept on each worker and added to its next
+            gradient (Vogels et al. 2019; PyTorch's `powerSGD_hook`); see
+            `tfscale.collectives.powersgd`. Its state is saved per worker by
+            `tfscale.checkpoint` (and so by tfscale's backup callbacks).
+        timeout_seconds: a collective that has not completed after this many
+            seconds fails, so a lost worker stops its peers instead of leaving
+            them waiting forever (one watchdog thread per worker keeps it,
+            `tfscale.collectives.watchdog`). It must exceed the longest time one worker
+            can legitimately run ahead of the others (the chief writing a
+            checkpoint or an export, a slow first step while graphs are
+            built); `None` waits forever, as stock MWMS does.
+        cost_model: a `tfscale.collectives.cost_model.CostModel` for the
+            hybrid threshold and for how many chunks the hierarchical
+            algorithms pipeline; `None`: its `DEFAULT`. Fit one to your
+            cluster with `cost_model.fit`.
+        time_all_reduces: add each all-reduce's exposed time to
+            `Strategy.exposed_communication_seconds` (two timestamps per
+            all-reduce). `False` leaves the all-reduces untimed, so nothing
+            waits for every input of a batch before its result is stamped.
+            Steps compiled by XLA (`jit_compile=True`) are never timed: XLA
+            has no kernel for `tf.timestamp`.
+        powersgd: `compression="powersgd"` only: its `PowerSGDOptions`
+            (rank, start step, minimum compression rate); `None`: their
+            defaults under PowerSGD.
+        implementation: what carries the collectives, in TensorFlow's names:
+            `"auto"` (default): NCCL when the worker's device is a GPU, ring
+            otherwise; `"ring"`: TensorFlow's ring over gRPC everywhere;
+            `"nccl"`: NCCL (`communication_hint="nccl"`) under every stage,
+            refused here when TensorFlow sees no GPU. Through NCCL every
+            collective of a worker is chained in one order that all workers
+            share (NCCL communicators of a GPU share one stream: collectives
+            of different groups launched in different orders can deadlock);
+            broadcasts become all-reduces to which only the sender
+            contributes (broadcasts take no ordering token); "bfloat16"
+            compression travels as "float16" with its per-buffer scale (NCCL
+            has no bfloat16); hierarchical and 2d buckets go whole, not in
+            chunks. `Strategy.communication_implementation` says what was
+            chosen. See `tfscale.collectives.implementation`. The NCCL path
+            has been traced and checked on CPU, not run on a GPU by tfscale's
+            tests; `tfscale-bench gpucheck` checks it on your GPUs.
+    """
+
+    algorithm: str = "hybrid"
+    fusion_threshold_bytes: int = 32 * _MiB
+    hybrid_threshold_bytes: int | None = None
+    local_size: int | None = None
+    compression: str | None = None
+    timeout_seconds: float | None = 300
+    cost_model: cost_model_lib.CostModel | None = None
+    time_all_reduces: bool = True
+    powersgd: PowerSGDOptions | None = None
+    implementation: str = "auto"
+
+    # (field, allowed values) of each choice.
+    _CHOICES = (
+        ("implementation", implementation_lib.IMPLEMENTATIONS),
+        ("algorithm", ALGORITHMS),
+    )
+    # (field, rule, check, what None means or None) of each number.
+    _NUMBERS = (
+        ("fusion_threshold_bytes", "an integer >= 0", _integer(0), None),
+        ("hybrid_threshold_bytes", "an integer >= 0", _integer(0),
+         "to take it from the cost model"),
+        ("local_size", "an integer >= 1 (workers per node)", _integer(1),
+         "to group workers by host"),
+        ("timeout_seconds", "a number > 0", _number(0, strict=True),
+         "to wait forever"),
+    )
+    # (field, type, how the message names it) of each typed argument.
+    _TYPES = (
+        ("cost_model", cost_model_lib.CostModel,
+         "a `tfscale.collectives.cost_model.CostModel` or None"),
+        ("powersgd", PowerSGDOptions,
+         "a `tfscale.collectives.options.PowerSGDOptions` or None"),
+    )
+
+    def __post_init__(self):
+        for name, allowed in self._CHOICES:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"Argument `{name}` must be one of {list(allowed)}. "
+                                 f"Received: {name}={value!r}")
+        implementation_lib.check_implementation(
+            self.implementation,
+            num_gpus=(len(tf.config.list_physical_devices("GPU"))
+                      if self.implementation == "nccl" else None))
+        for name, rule, ok, none_means in self._NUMBERS:
+            _check(name, getattr(self, name), rule, ok, none_means)
+        if self.hybrid_threshold_bytes is not None and self.algorithm != "hybrid":
+            raise ValueError(
+                "Argument `hybrid_threshold_bytes` only applies to "
+                f"algorithm='hybrid'; this is algorithm={self.algorithm!r}. "
+                f"Received: hybrid_threshold_bytes={self.hybrid_threshold_bytes!r}")
+        if self.compression is not None and self.compression not in COMPRESSION_CHOICES:
+            raise ValueError(
+                "Argument `compression` must be None or one of "
+                f"{list(COMPRESSION_CHOICES)}. Received: compression={self.compression!r}")
+        for name, cls, described in self._TYPES:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"Argument `{name}` must be {described}. "
+                                f"Received: {name}={value!r}")
+        if not isinstance(self.time_all_reduces, bool):
+            raise TypeError(
+                "Argument `time_all_reduces` must be True or False. "
+                f"Received: time_all_reduces={self.time_all_reduces!r}")
+        if self.compression == powersgd_lib.NAME:
+            if self.powersgd is None:
+                object.__setattr__(self, "powersgd", PowerSGDOptions())
+        elif self.powersgd is not None:
+            raise ValueError(
+                "Argument `powersgd` only applies to compression='powersgd'; "
+                f"this is compression={self.compression!r}. "
+                f"Received: powersgd={self.powersgd!r}")
+        if self.timeout_seconds is not None:
+            object.__setattr__(self, "timeout_seconds", float(self.timeout_seconds))
+
+    def get_config(self):
+        config = {field.name: getattr(self, field.name)
+                  for field in dataclasses.fields(self)}
+        for name in ("cost_model", "powersgd"):
+            if config[name] is not None:
+                config[name] = config[name].get_config()
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if config.get("cost_model") is not None:
+            config["cost_model"] = cost_model_lib.CostModel.from_config(config["cost_model"])
+        if config.get("powersgd") is not None:
+            config["powersgd"] = PowerSGDOptions.from_config(config["powersgd"])
+        return cls(**config)
