@@ -17,6 +17,10 @@ recipe's `base_batch_size` is the batch its learning rate was published for,
 so `--scale_lr` scales it linearly to yours.
 """
 
+import dataclasses
+import functools
+import types
+
 from absl import flags
 
 from launch import flag_help
@@ -306,34 +310,81 @@ def _define_optimization_flags():
     )
 
 
-def settings_from_flags():
-    """`tfscale.recipes.Settings` of the parsed flags, `--recipe` filling in.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """tfscale-train's flags, read once from absl (`from_flags`) and passed
+    down: `config.model_dir` is the value of --model_dir.
 
-    A flag given on the command line wins over the recipe; the recipe wins
-    over the flag's default.
+    Attributes:
+        values: every tfscale-train flag's value, by name.
+        defaults: every tfscale-train flag's default, by name.
+        given: the names of the flags given on the command line.
     """
-    names = recipes.Settings().get_config()
-    given = {name: FLAGS[name].value for name in names
-             if FLAGS[name].present or FLAGS.recipe == "none"}
-    if FLAGS.recipe == "none":
-        return recipes.Settings.from_config(given)
-    given.pop("recipe", None)
-    return recipes.Settings.from_recipe(FLAGS.recipe, **given)
+
+    values: types.MappingProxyType
+    defaults: types.MappingProxyType
+    given: frozenset
+
+    @classmethod
+    def from_flags(cls):
+        """The parsed flags of this module."""
+        own = FLAGS.get_flags_for_module(__name__)
+        return cls(values=types.MappingProxyType({f.name: f.value for f in own}),
+                   defaults=types.MappingProxyType({f.name: f.default for f in own}),
+                   given=frozenset(f.name for f in own if f.present))
+
+    def __getattr__(self, name):
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"tfscale-train has no flag --{name}")
+
+    @functools.cached_property
+    def settings(self):
+        """`tfscale.recipes.Settings` of the flags, `--recipe` filling in: a
+        flag given on the command line wins over the recipe; the recipe wins
+        over the flag's default."""
+        names = recipes.Settings().get_config()
+        chosen = {name: self.values[name] for name in names
+                  if name in self.given or self.recipe == "none"}
+        if self.recipe == "none":
+            return recipes.Settings.from_config(chosen)
+        chosen.pop("recipe", None)
+        return recipes.Settings.from_recipe(self.recipe, **chosen)
+
+    @property
+    def training(self):
+        """The flags besides `Settings` that a resumed run must keep."""
+        return {name: self.values[name] for name in TRAINING_FLAGS}
+
+    @property
+    def training_defaults(self):
+        """`training` at the flags' defaults: what a settings file written
+        before a flag existed counts as holding."""
+        return {name: self.defaults[name] for name in TRAINING_FLAGS}
+
+    @property
+    def shared(self):
+        """The flags every worker must agree on (`LOCAL_FLAGS` may differ)."""
+        return {name: value for name, value in self.values.items()
+                if name not in LOCAL_FLAGS}
+
+
+def settings_from_flags():
+    """`Config.from_flags().settings`."""
+    return Config.from_flags().settings
 
 
 def training_from_flags():
-    """The flags besides `Settings` that a resumed run must keep."""
-    return {name: FLAGS[name].value for name in TRAINING_FLAGS}
+    """`Config.from_flags().training`."""
+    return Config.from_flags().training
 
 
 def training_defaults():
-    """`training_from_flags()` at the flags' defaults: what a settings file
-    written before a flag existed counts as holding."""
-    return {name: FLAGS[name].default for name in TRAINING_FLAGS}
+    """`Config.from_flags().training_defaults`."""
+    return Config.from_flags().training_defaults
 
 
 def shared_flags():
-    """The flags every worker must agree on (`LOCAL_FLAGS` may differ)."""
-    return {flag.name: flag.value
-            for flag in FLAGS.get_flags_for_module(__name__)
-            if flag.name not in LOCAL_FLAGS}
+    """`Config.from_flags().shared`."""
+    return Config.from_flags().shared
