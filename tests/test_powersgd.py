@@ -175,10 +175,12 @@ def test_two_workers_start_step_and_bitwise_resume(powersgd_fit_run):
     feedback; stopped after 4 steps and resumed from the backup of step 3,
     the run ends bitwise equal to the uninterrupted one. Also with gradient
     accumulation and steps_per_execution=2: bitwise equal on both workers,
-    error feedback kept."""
+    error feedback kept, and until PowerSGD starts bitwise the accumulated
+    run uncompressed."""
     run, backup_dir = powersgd_fit_run
     chief, other = run.results
-    for name in ("uncompressed", "powersgd", "interrupted", "resumed", "accumulated"):
+    for name in ("uncompressed", "powersgd", "interrupted", "resumed", "accumulated",
+                 "accumulated_uncompressed"):
         assert chief[name]["steps"] == other[name]["steps"], name
     plain, compressed = chief["uncompressed"]["steps"], chief["powersgd"]["steps"]
     assert compressed["1"] == plain["1"] and compressed["2"] == plain["2"]
@@ -195,9 +197,14 @@ def test_two_workers_start_step_and_bitwise_resume(powersgd_fit_run):
     assert other["resumed"]["error"] == other["powersgd"]["error"]
     assert not os.path.exists(backup_dir)  # deleted when the fit ended
     # With accumulation and steps_per_execution: 3 updates of 2 micro-batches,
-    # compressed from the third.
+    # compressed from the third: the first two bitwise those of the same
+    # accumulated run uncompressed, the third not.
     accumulated = chief["accumulated"]
     assert max(int(s) for s in accumulated["steps"]) == 3
+    uncompressed = chief["accumulated_uncompressed"]["steps"]
+    assert accumulated["steps"]["1"] == uncompressed["1"]
+    assert accumulated["steps"]["2"] == uncompressed["2"]
+    assert accumulated["steps"]["3"] != uncompressed["3"]
     assert any(e != 0 for e in accumulated["error"][0])
     assert accumulated["error"] != other["accumulated"]["error"]
 

@@ -161,6 +161,8 @@ def main(argv):
     # steps per call (a tf.while_loop).
     results["accumulated"] = train(powersgd=True, accumulation_steps=2,
                                    steps_per_execution=2)
+    results["accumulated_uncompressed"] = train(
+        powersgd=False, accumulation_steps=2, steps_per_execution=2)
     report(results)
 
 
