@@ -20,6 +20,15 @@ NCCL_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 _strategies_built = itertools.count()
 
 
+def check_resolved(implementation):
+    """Raises ValueError unless `implementation` is "ring" or "nccl" (an
+    `implementation="auto"` already resolved on the worker's device)."""
+    if implementation not in ("ring", "nccl"):
+        raise ValueError(
+            "Argument `implementation` must be 'ring' or 'nccl' (resolved "
+            f"on the worker's device). Received: implementation={implementation!r}")
+
+
 def take_collective_keys(strategy, max_subgroup_index):
     """Gives `strategy` group keys that no earlier Strategy of this process used.
 
@@ -206,11 +215,7 @@ class CollectiveGroup:
     def __init__(self, launcher, timeout_seconds, key_base=0,
                  implementation="ring", ordering=None, watch=None,
                  max_subgroup_index=0):
-        if implementation not in ("ring", "nccl"):
-            raise ValueError(
-                "Argument `implementation` must be 'ring' or 'nccl' (resolved "
-                f"on the worker's device). Received: implementation={implementation!r}"
-            )
+        check_resolved(implementation)
         self._launcher = launcher
         self._timeout_seconds = timeout_seconds
         self._timeout = timeout_seconds or 0

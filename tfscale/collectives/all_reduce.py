@@ -7,6 +7,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfscale._private import accessors
+from tfscale._private import tf_collectives
 from tfscale.collectives import algorithms
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
@@ -152,11 +153,7 @@ class AllReduce:
                 f"Received: algorithm={algorithm!r}"
             )
         check_supported(topology, algorithm)
-        if implementation not in ("ring", "nccl"):
-            raise ValueError(
-                "Argument `implementation` must be 'ring' or 'nccl' (resolved "
-                f"on the worker's device). Received: implementation={implementation!r}"
-            )
+        tf_collectives.check_resolved(implementation)
         self.topology = topology
         self.algorithm = algorithm
         self.fusion_threshold_bytes = fusion_threshold_bytes
