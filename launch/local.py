@@ -6,9 +6,10 @@ Each worker is one process with its own TF_CONFIG naming a free 127.0.0.1
 port for every worker, as Kubernetes or SLURM would give one per machine. Each
 output line is prefixed with the worker's index. When a worker fails, the
 others are stopped and the launcher exits non-zero naming the failed worker;
-`--timeout` bounds the whole run. The ports are free when picked but bound by
-the workers seconds later: when a worker cannot bind its port (another process
-took it), every worker is stopped and all are relaunched on fresh ports.
+`--timeout` bounds the whole run. The ports are picked below the kernel's
+ephemeral range, where nothing takes them by chance before the workers bind
+them (ports.py); should a worker still fail to bind its port, every worker is
+stopped and all are relaunched on fresh ports.
 
     tfscale-launch --num_workers=4 --emulate_nodes=2 --inter_node_rate=200mbit -- CMD
 
@@ -68,7 +69,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -77,10 +77,11 @@ import time
 from absl import app
 from absl import flags
 
-from launch import flag_help
-from launch import gpus
-from launch import netns
-from launch import restarts
+from tfscale.launch import flag_help
+from tfscale.launch import gpus
+from tfscale.launch import netns
+from tfscale.launch import ports
+from tfscale.launch import restarts
 
 FLAGS = flags.FLAGS
 
@@ -230,20 +231,6 @@ class _PortTaken(Exception):
     """A worker could not bind its port; every worker has been stopped."""
 
 
-def free_ports(host, count):
-    """`count` distinct ports on `host` that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def tf_configs(addresses):
     """One TF_CONFIG per worker for a cluster of `addresses` ("host:port")."""
     return [
@@ -337,7 +324,7 @@ class Workers:
 def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
            emulate_nodes=None, inter_node_rate=None,
            inter_node_burst=netns.DEFAULT_BURST,
-           inter_node_latency=netns.DEFAULT_LATENCY, pick_ports=free_ports,
+           inter_node_latency=netns.DEFAULT_LATENCY, pick_ports=ports.free_ports,
            max_restarts=0, min_workers=None,
            restart_window=restarts.DEFAULT_RESTART_WINDOW, isolate="auto",
            gpus_per_node=None):
@@ -346,7 +333,7 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
     `isolate` ("auto", "yes", "no"): whether the workers run in a network
     namespace of their own (see the module docstring). Not isolated, they use
     `host`: `pick_ports(host, count)` returns the ports of one attempt (default:
-    `free_ports`). When a worker fails and its output says it could not bind
+    `ports.free_ports`). When a worker fails and its output says it could not bind
     (`_BIND_FAILURE`), every worker is stopped and all are relaunched on
     newly picked ports, up to PORT_ATTEMPTS attempts per launch within
     `timeout`. Namespaces need no retry: their ports are theirs alone. Any
@@ -488,7 +475,7 @@ def _launch_isolated(command, policy, timeout, grace_seconds, start, required,
             return 2
         print(f"tfscale-launch: workers listen on all interfaces of this machine, "
               f"unauthenticated (not isolated: {reason}); run on a trusted network "
-              "only (README: Security).", file=sys.stderr, flush=True)
+              "only (docs/security.md).", file=sys.stderr, flush=True)
         return None
 
 
@@ -637,10 +624,9 @@ def main(argv):
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise app.UsageError(
-            "No command given. Usage: tfscale-launch --num_workers=N -- "
-            "CMD [ARGS...], e.g. tfscale-launch --num_workers=2 -- tfscale-train"
-        )
+        sys.exit("tfscale-launch: no command given. Usage: tfscale-launch "
+                 "--num_workers=N -- CMD [ARGS...], e.g. tfscale-launch "
+                 "--num_workers=2 -- tfscale-train")
     sys.exit(
         launch(
             command,

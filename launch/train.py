@@ -22,10 +22,10 @@ import tensorflow as tf
 from absl import app
 from absl import logging
 
-import models
+from tfscale import models
 import tfscale
-from launch import preflight
-from launch import train_flags
+from tfscale.launch import preflight
+from tfscale.launch import train_flags
 from tfscale import agreement
 from tfscale import batch_growth
 from tfscale import callbacks
@@ -55,12 +55,16 @@ def input_checks():
         raise BadInputError(str(error)) from error
 
 
+# The models of the paper; tfscale.models' other builders serve the studies.
+TRAINED_MODELS = ("alexnet_bn", "resnet50")
+
+
 def validate_flags(config):
     """Refuses bad flags before anything starts or is written."""
 
-    if config.model not in models.names():
+    if config.model not in TRAINED_MODELS:
         raise app.UsageError(
-            f"--model={config.model!r} is unknown. Known: {', '.join(models.names())}"
+            f"--model={config.model!r} is unknown. Known: {', '.join(TRAINED_MODELS)}"
         )
     if config.dataset not in data.names():
         raise app.UsageError(
@@ -397,6 +401,9 @@ def log_start(config, strategy, data_plan, start_step):
     if start_step:
         logging.info("Resuming from the checkpoint of step %d in %s.",
                      start_step, config.model_dir)
+    if config.deterministic:
+        logging.info("Op determinism on: every op runs a deterministic kernel "
+                     "(tf.config.experimental.enable_op_determinism).")
 
 
 def train(config):
@@ -545,10 +552,17 @@ def _collective_cause(message):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    if len(argv) > 1:  # one line, not absl's usage listing of every flag
+        sys.exit(f"tfscale-train: unexpected arguments: {' '.join(argv[1:])} "
+                 "(flags are written --name=value; tfscale-train --helpshort "
+                 "lists them)")
     config = train_flags.Config.from_flags()
-    validate_flags(config)
+    try:
+        validate_flags(config)
+    except app.UsageError as error:  # one line, not the usage listing
+        sys.exit(f"tfscale-train: {error}")
+    if config.deterministic:
+        tf.config.experimental.enable_op_determinism()
     try:
         train(config)
     except Exception as error:  # explained, then re-raised if unexplained

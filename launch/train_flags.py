@@ -23,7 +23,7 @@ import types
 
 from absl import flags
 
-from launch import flag_help
+from tfscale.launch import flag_help
 from tfscale import collectives
 from tfscale import recipes
 from tfscale import slurm
@@ -97,6 +97,13 @@ def _define_job_flags():
         "Side of the square model input; 0: the data set's default.")
     flags.DEFINE_integer(
         "seed", 0, "Seed of weights and data order (same on all workers).")
+    flags.DEFINE_bool(
+        "deterministic", False,
+        "Run every TensorFlow op with a deterministic kernel "
+        "(tf.config.experimental.enable_op_determinism()). Needed on GPUs "
+        "for bitwise-reproducible runs and resumes (cuDNN and NCCL choose "
+        "kernels by speed); tfscale's bitwise claims hold on CPU without "
+        "it. Its cost: BENCHMARKS.md.")
     flags.DEFINE_string(
         "model_dir", None,
         "Directory for checkpoints of the whole training state (every "
@@ -223,7 +230,7 @@ def _define_optimization_flags():
         "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
         "(oneDNN bfloat16 kernels) but is 6-14x SLOWER on CPUs without it, "
         "where TensorFlow falls back to Eigen (python -m "
-        "launch.studies.precision_speed measures yours); mixed_float16 is "
+        "tfscale.launch.studies.precision_speed measures yours); mixed_float16 is "
         "for GPUs and adds dynamic loss scaling that agrees across workers.",
     )
     flags.DEFINE_float(

@@ -1,4 +1,6 @@
-"""Plain Keras model builders for tfscale (depend on keras only).
+"""Plain Keras model builders for tfscale (depend on keras only), and
+`VarianceReducedModel`, the `keras.Model` that trains a model with HALP or
+SVRG (tfscale.optimizers).
 
 Every builder returns an uncompiled ``keras.Model`` that maps channels_last images
 to float32 logits (no softmax), computes in the global dtype policy (half
@@ -8,15 +10,18 @@ an optimizer can exclude them from weight decay by regex.
 
 Example:
 
-    import models
+    from tfscale import models
     model = models.get("resnet50", num_classes=1000)
 """
 
-from models.alexnet import alexnet_bn
-from models.resnet import resnet50
+from tfscale.models.alexnet import alexnet_bn
+from tfscale.models.alexnet import alexnet_bn_small
+from tfscale.models.resnet import resnet50
+from tfscale.models.variance_reduced import VarianceReducedModel
 
 _BUILDERS = {
     "alexnet_bn": alexnet_bn,
+    "alexnet_bn_small": alexnet_bn_small,
     "resnet50": resnet50,
 }
 
@@ -48,4 +53,11 @@ def get(name, **kwargs):
     return builder(**kwargs)
 
 
-__all__ = ["alexnet_bn", "get", "names", "resnet50"]
+__all__ = [
+    "VarianceReducedModel",
+    "alexnet_bn",
+    "alexnet_bn_small",
+    "get",
+    "names",
+    "resnet50",
+]

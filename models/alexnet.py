@@ -10,11 +10,16 @@ References:
     - Jia et al. 2018, "Highly Scalable Deep Learning Training System with
       Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205
       (AlexNet with BN, BN added after pool5).
+
+``alexnet_bn_small`` is the same design in miniature (two conv-BN-ReLU-pool
+blocks, BN after the last pool, two dense layers) for 8x8 images such as
+scikit-learn's digits: the model of the large-batch study
+(launch/studies/large_batch/).
 """
 
 import keras
 
-from models import _common
+from tfscale.models import _common
 
 # (name, filters, kernel, strides, padding, max pool 3/2 after it?)
 _CONVS = (
@@ -28,6 +33,17 @@ _POOL_SIZE = 3
 _POOL_STRIDES = 2
 _BN_MOMENTUM = 0.9
 _BN_EPSILON = 1e-5
+
+# alexnet_bn_small: two 3x3 "same" convolutions, each followed by a 2x2/2 max
+# pool, so height and width must be at least 4 for pool2 to be at least 1x1.
+_SMALL_POOL_SIZE = 2
+_SMALL_MIN_INPUT_SIZE = _SMALL_POOL_SIZE**2
+# alexnet_bn_small's BatchNormalization keeps Keras's default epsilon, 1e-3
+# (not _bn's 1e-5): docs/large_batch.md was measured with it. Its momentum is
+# _BN_MOMENTUM: Keras's default, 0.99, leaves the moving statistics half at
+# their initial values after the 60 steps of a large-batch run of the study,
+# and the test accuracy then measures that lag, not the weights.
+_SMALL_BN_EPSILON = 1e-3
 
 
 def _output_size(size):
@@ -165,3 +181,100 @@ def alexnet_bn(
         x = keras.layers.Dropout(dropout, name=f"{name}_dropout")(x)
     outputs = _common.logits_head(x, num_classes, name="fc8")
     return keras.Model(inputs, outputs, name="alexnet_bn")
+
+
+def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=64):
+    """Builds AlexNet-BN in miniature for small images, returning logits.
+
+    Two conv-BN-ReLU-pool blocks, BatchNormalization after the last pool (Jia
+    et al. 2018's change to AlexNet-BN) and two dense layers: the model of the
+    large-batch study on digits, where ``alexnet_bn`` (67x67 at the smallest)
+    would train for hours. Layers at the default 8x8x1 input, ``width`` 32,
+    ``fc_units`` 64 and 10 classes (BN rows: trainable gamma/beta +
+    non-trainable moving mean/variance; convolutions have no bias, BN's beta
+    replaces it)::
+
+        layer                          output shape     parameters
+        conv1 32 3x3 same               8 x  8 x 32            288
+        conv1_bn, ReLU                  8 x  8 x 32        64 + 64
+        pool1 max 2x2/2                 4 x  4 x 32              0
+        conv2 64 3x3 same               4 x  4 x 64         18,432
+        conv2_bn, ReLU                  4 x  4 x 64      128 + 128
+        pool2 max 2x2/2                 2 x  2 x 64              0
+        pool_bn (Jia et al. 2018)       2 x  2 x 64      128 + 128
+        flatten                                256               0
+        fc1 64, ReLU                            64          16,448
+        fc2 10 (logits, float32)                10             650
+        total: 36,138 trainable + 320 non-trainable = 36,458
+
+    BatchNormalization uses momentum 0.9, as ``alexnet_bn``, but Keras's
+    default epsilon 1e-3 (``alexnet_bn``: 1e-5), the setting the study's
+    results were measured with. Convolutions and fc1 start He-normal, fc2
+    Glorot-uniform; there is no dropout.
+
+    There is no weight decay in the model: the optimizer applies it (and skips
+    BN parameters, whose paths contain "bn", and biases, whose paths end in
+    "bias"). Under a mixed-precision global policy the layers compute in half
+    precision except fc2, which computes in float32 (a stable softmax);
+    variables stay float32.
+
+    Args:
+        num_classes: Number of output logits.
+        input_shape: ``(height, width, channels)``; height and width at least
+            4 (pool2 then has 1x1 spatial extent), any channel count.
+        width: Filters of conv1; conv2 has twice as many.
+        fc_units: Width of fc1.
+
+    Returns:
+        An uncompiled ``keras.Model`` named "alexnet_bn_small" mapping images
+        to float32 logits of shape (batch, num_classes); no softmax.
+
+    Raises:
+        ValueError: If an argument is invalid, including an ``input_shape`` too
+            small for pool2 to have any spatial extent.
+
+    References:
+        - Krizhevsky et al. 2012, NeurIPS 2012.
+        - Jia et al. 2018, arXiv:1807.11205.
+    """
+    _common.check_positive_int("num_classes", num_classes)
+    _common.check_positive_int("width", width)
+    _common.check_positive_int("fc_units", fc_units)
+    input_shape = _common.check_input_shape(input_shape)
+    if min(input_shape[:2]) < _SMALL_MIN_INPUT_SIZE:
+        raise ValueError(
+            "`input_shape` is too small: pool2 would have no spatial extent. "
+            f"Height and width must be at least {_SMALL_MIN_INPUT_SIZE}. "
+            f"Received: input_shape={input_shape!r}"
+        )
+
+    inputs = keras.Input(shape=input_shape, name="images")
+    x = inputs
+    for index, filters in enumerate((width, 2 * width), start=1):
+        x = keras.layers.Conv2D(
+            filters,
+            3,
+            padding="same",
+            use_bias=False,  # BN's beta replaces the bias.
+            kernel_initializer="he_normal",
+            data_format=_common.DATA_FORMAT,
+            name=f"conv{index}",
+        )(x)
+        x = keras.layers.BatchNormalization(
+            momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON, name=f"conv{index}_bn"
+        )(x)
+        x = keras.layers.ReLU(name=f"conv{index}_relu")(x)
+        x = keras.layers.MaxPooling2D(
+            _SMALL_POOL_SIZE, data_format=_common.DATA_FORMAT, name=f"pool{index}"
+        )(x)
+    # The extra BN of Jia et al. 2018, after the last pool.
+    x = keras.layers.BatchNormalization(
+        momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON, name="pool_bn"
+    )(x)
+    x = keras.layers.Flatten(data_format=_common.DATA_FORMAT, name="flatten")(x)
+    x = keras.layers.Dense(
+        fc_units, activation="relu", kernel_initializer="he_normal", name="fc1"
+    )(x)
+    # float32 logits under mixed precision: a stable softmax.
+    outputs = keras.layers.Dense(num_classes, dtype="float32", name="fc2")(x)
+    return keras.Model(inputs, outputs, name="alexnet_bn_small")

@@ -15,7 +15,7 @@ References:
 
 import keras
 
-from models import _common
+from tfscale.models import _common
 
 # (stage name, blocks, bottleneck width, stride of the stage's first block).
 _STAGES = (

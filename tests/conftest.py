@@ -46,8 +46,29 @@ def pytest_runtest_protocol(item, nextitem):
         _running[0] = None
 
 
+def _check_installed_from_here():
+    """tfscale.launch and tfscale.models come from the editable install's
+    import hook (setup.py maps them to launch/ and models/), tfscale itself
+    from this folder: both must be this checkout, or the tests would mix two
+    versions of the code."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    install = f'install this checkout with pip install -e ".[test]" (in {repo})'
+    try:
+        import tfscale.launch
+        import tfscale.models
+    except ImportError as error:
+        pytest.exit(f"{error}: {install}", returncode=4)
+    for module, folder in ((tfscale.launch, "launch"), (tfscale.models, "models")):
+        found = os.path.dirname(os.path.abspath(module.__file__))
+        if found != os.path.join(repo, folder):
+            pytest.exit(f"{module.__name__} is imported from {found}, not from "
+                        f"this checkout: {install}", returncode=4)
+
+
 def pytest_sessionstart(session):
-    """Refuses worker processes to unmarked tests, their fixtures included."""
+    """Checks which checkout is installed; refuses worker processes to
+    unmarked tests, their fixtures included."""
+    _check_installed_from_here()
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *rest, **kwargs):

@@ -28,7 +28,7 @@ def run_workers(script, num_workers, tmp_path, args=(), timeout=300, env=None):
     results_dir = tmp_path / f"results-{script}-{num_workers}"
     results_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "launch.local",
+        sys.executable, "-m", "tfscale.launch.local",
         f"--num_workers={num_workers}", f"--timeout={timeout}", "--",
         sys.executable, os.path.join(WORKERS_DIR, script), *args,
     ]
@@ -74,9 +74,9 @@ def cluster_tf_configs(tasks):
             `[("worker", 0), ("worker", 1), ("evaluator", 0)]`; every task's
             TF_CONFIG names the whole cluster, as Kubeflow's TFJob writes it.
     """
-    from launch import local
+    from tfscale.launch import ports
 
-    addresses = [f"127.0.0.1:{p}" for p in local.free_ports("127.0.0.1", len(tasks))]
+    addresses = [f"127.0.0.1:{p}" for p in ports.free_ports("127.0.0.1", len(tasks))]
     cluster = {}
     for (job, index), address in zip(tasks, addresses, strict=True):
         assert index == len(cluster.setdefault(job, [])), tasks

@@ -156,8 +156,8 @@ def test_tfscale_train_accumulation_steps(tmp_path):
     of 16 (8 per worker) per update; the checkpoint holds 8 fit steps and 4
     optimizer updates."""
     process = _train(
-        [sys.executable, "-m", "launch.local", "--num_workers=2", "--timeout=240",
-         "--", sys.executable, "-m", "launch.train", "--epochs=1",
+        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=240",
+         "--", sys.executable, "-m", "tfscale.launch.train", "--epochs=1",
          "--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4",
          "--accumulation_steps=2", "--export_dir=", "--checkpoint_steps=8",
          f"--model_dir={tmp_path / 'run'}"], cwd=tmp_path)
@@ -179,7 +179,7 @@ def test_tfscale_train_accumulation_steps(tmp_path):
 
 @pytest.mark.multiworker
 def test_tfscale_train_refuses_micro_batches_that_do_not_divide(tmp_path):
-    process = _train([sys.executable, "-m", "launch.train", "--global_batch_size=32",
+    process = _train([sys.executable, "-m", "tfscale.launch.train", "--global_batch_size=32",
                       "--accumulation_steps=3", "--export_dir="], cwd=tmp_path,
                      timeout=120)
     assert process.returncode != 0

@@ -215,7 +215,7 @@ def _train(args, cwd, timeout=240):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
         p for p in (multiworker.REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "launch.train", *args],
+    return subprocess.run([sys.executable, "-m", "tfscale.launch.train", *args],
                           cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch.bench import report
+from tfscale.launch.bench import report
 from multiworker import REPO_ROOT
 
 pytestmark = pytest.mark.multiworker
@@ -28,7 +28,7 @@ def _env():
 
 def bench(tmp_path, *args, timeout=240, returncode=0):
     process = subprocess.run(
-        [sys.executable, "-m", "launch.bench", *args], cwd=str(tmp_path), env=_env(),
+        [sys.executable, "-m", "tfscale.launch.bench", *args], cwd=str(tmp_path), env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert process.returncode == returncode, process.stdout[-6000:]
     return process.stdout
@@ -123,7 +123,7 @@ def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):
 
 def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
     process = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "allreduce", "--algorithms=stock,ringg"],
+        [sys.executable, "-m", "tfscale.launch.bench", "allreduce", "--algorithms=stock,ringg"],
         cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, timeout=120)
     assert process.returncode == 1
@@ -131,7 +131,7 @@ def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
     assert "Traceback" not in process.stderr
     # PowerSGD compresses whole gradients in training, not single buffers.
     process = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "allreduce", "--compression=powersgd"],
+        [sys.executable, "-m", "tfscale.launch.bench", "allreduce", "--compression=powersgd"],
         cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, timeout=120)
     assert process.returncode == 1 and "Traceback" not in process.stderr
@@ -145,7 +145,7 @@ def test_gpucheck_without_gpus_says_so_in_one_line_and_starts_no_worker(tmp_path
     if tf.config.list_physical_devices("GPU"):
         pytest.skip("this machine has GPUs: gpucheck would run")
     process = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "gpucheck"], cwd=str(tmp_path),
+        [sys.executable, "-m", "tfscale.launch.bench", "gpucheck"], cwd=str(tmp_path),
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         timeout=120)
     assert process.returncode == 1

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.bench import report
+from tfscale.launch.bench import report
 
 
 def test_the_bench_refuses_to_report_timings_of_a_wrong_result():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from launch.bench import stats
+from tfscale.launch.bench import stats
 
 
 def test_sizes_and_rates_parse_as_nccl_tests_and_tc_read_them():

@@ -25,12 +25,12 @@ TASKS = [("chief", 0), ("worker", 0)]
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
-    from launch import local
+    from tfscale.launch import ports
 
     tmp = tmp_path_factory.mktemp("chief_role")
-    ports = local.free_ports("127.0.0.1", len(TASKS))
-    cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
-               "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
+    picked = ports.free_ports("127.0.0.1", len(TASKS))
+    cluster = {"chief": [f"127.0.0.1:{picked[0]}"],
+               "worker": [f"127.0.0.1:{p}" for p in picked[1:]]}
     processes = []
     for job, index in TASKS:
         cwd = tmp / f"{job}-{index}"

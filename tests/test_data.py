@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from launch.studies import imagenet_archives
+from tfscale.launch.studies import imagenet_archives
 from tfscale import data
 from tfscale import imagenet_source
 

@@ -25,20 +25,19 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from launch import local
+from tfscale.launch import ports
 from multiworker import REPO_ROOT
 from multiworker import start_process
 from multiworker import worker_env
 
 DEPLOY = os.path.join(REPO_ROOT, "deploy")
-TRAIN = [sys.executable, "-m", "launch.train"]  # what `tfscale-train` runs
+TRAIN = [sys.executable, "-m", "tfscale.launch.train"]  # what `tfscale-train` runs
 # The only changes to the files' commands, so that they run in seconds on CPU:
 # digits instead of ImageNet, a small AlexNet-BN instead of ResNet-50, a
 # global batch the 2 workers share, 6 one-step epochs (the recipe warms up
@@ -124,7 +123,7 @@ def test_dockerfile_installs_the_pinned_gpu_build_after_removing_the_cpu_build()
     entrypoint = json.loads(dict(steps)["ENTRYPOINT"])
     assert entrypoint == ["tfscale-train"]
     with open(os.path.join(REPO_ROOT, "setup.py")) as f:
-        assert '"tfscale-train=launch.train:run"' in f.read()
+        assert '"tfscale-train=tfscale.launch.train:run"' in f.read()
 
 
 # --- Kubeflow TFJob -----------------------------------------------------------
@@ -281,8 +280,8 @@ def slurm_task_env(rank, ntasks, node, gpu):
 def test_every_flag_the_files_use_is_a_tfscale_train_flag_with_a_valid_value():
     from absl import flags
 
-    import models
-    from launch import train_flags
+    from tfscale import models
+    from tfscale.launch import train_flags
     from tfscale import data
 
     train_flags.define_flags()
@@ -304,22 +303,6 @@ def test_every_flag_the_files_use_is_a_tfscale_train_flag_with_a_valid_value():
 
 # --- The commands, run -------------------------------------------------------
 
-def free_port_pair():
-    """A port P with P and P + 1 free (SLURM tasks on one node: base + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise AssertionError("no two consecutive free ports")
-
-
 def wait_all(processes, tmp_path, timeout=300):
     outputs = {}
     try:
@@ -337,9 +320,9 @@ def wait_all(processes, tmp_path, timeout=300):
 def test_tfjob_command_trains_on_chief_and_worker_and_the_evaluator_follows(tmp_path):
     tfjob = tfjob_documents()["TFJob"]
     args = tiny(containers(tfjob)["Chief"]["args"], tmp_path / "shared")
-    ports = iter(local.free_ports("127.0.0.1", 3))
+    picked = iter(ports.free_ports("127.0.0.1", 3))
     configs = tfjob_tf_configs(tfjob, replicas={"Worker": 1},
-                               address=lambda job, i, port: f"127.0.0.1:{next(ports)}")
+                               address=lambda job, i, port: f"127.0.0.1:{next(picked)}")
     assert sorted(configs) == [("chief", 0), ("evaluator", 0), ("worker", 0)]
     processes = {}
     for task in (("evaluator", 0), ("chief", 0), ("worker", 0)):  # evaluator waits
@@ -358,7 +341,7 @@ def test_tfjob_command_trains_on_chief_and_worker_and_the_evaluator_follows(tmp_
 def test_slurm_command_trains_on_two_tasks_of_one_node(tmp_path):
     _, _, command = slurm_script()
     assert command[0] == "tfscale-train"
-    port = free_port_pair()
+    port = ports.free_ports("127.0.0.1", 2, consecutive=True)[0]
     # The one addition: ports that are free here instead of 8888, 8889.
     args = tiny(command[1:], tmp_path / "shared", [f"--slurm_port_base={port}"])
     processes = {}

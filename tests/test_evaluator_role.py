@@ -1,7 +1,7 @@
 """TF_CONFIG with an `evaluator` job, as Kubeflow's TFJob writes it: two
 workers train while the evaluator evaluates their checkpoints.
 
-Three tfscale-train processes (`python -m launch.train`) with the same flags:
+Three tfscale-train processes (`python -m tfscale.launch.train`) with the same flags:
 the evaluator, started first (it waits for checkpoints), then worker:0 and
 worker:1, whose TF_CONFIG also names the evaluator. Checkpoints every 4 of 10
 steps: the last one is the one written at the end of training.
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiworker
 EPOCHS, STEPS_PER_EPOCH = 2, 5
 FINAL_STEP = EPOCHS * STEPS_PER_EPOCH
 FC_UNITS = 16
-TRAIN = [sys.executable, "-m", "launch.train", "--fc_units=16", "--global_batch_size=32",
+TRAIN = [sys.executable, "-m", "tfscale.launch.train", "--fc_units=16", "--global_batch_size=32",
          f"--epochs={EPOCHS}", f"--steps_per_epoch={STEPS_PER_EPOCH}",
          "--learning_rate=0.01", "--checkpoint_steps=4", "--model_dir=ckpt", "--export_dir=export",
          "--tensorboard_dir=tb", "--collective_timeout=120"]
@@ -112,7 +112,7 @@ def test_last_evaluation_equals_the_exported_models_accuracy(cluster_run):
 
 def test_last_checkpoint_holds_the_exported_weights_and_batch_norm_statistics(
         cluster_run):
-    import models
+    from tfscale import models
     from tfscale import checkpoint
 
     tmp, _ = cluster_run

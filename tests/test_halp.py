@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import multiworker
+from tfscale import models
 from tfscale import optimizers
 from tfscale.optimizers import quantize
 
@@ -157,7 +158,7 @@ class Recorder(keras.callbacks.Callback):
 
 def fit_variance_reduced(optimizer, steps, use_bias, x, y):
     model = logistic_model(use_bias)
-    trainer = optimizers.VarianceReducedModel(model, full_gradient_data=batches(x, y))
+    trainer = models.VarianceReducedModel(model, full_gradient_data=batches(x, y))
     trainer.compile(optimizer=optimizer,
                     loss=LOSS())
     recorder = Recorder(model.trainable_variables, optimizer)
@@ -349,10 +350,10 @@ def test_variance_reduced_model_argument_errors():
     x, y = logistic_data()
     model = logistic_model(use_bias=True)
     with pytest.raises(TypeError, match="must be a `tf.data.Dataset`"):
-        optimizers.VarianceReducedModel(model, full_gradient_data=(x, y))
+        models.VarianceReducedModel(model, full_gradient_data=(x, y))
     with pytest.raises(ValueError, match=r"must be finite.*Drop its `.repeat\(\)`"):
-        optimizers.VarianceReducedModel(model, batches(x, y).repeat())
-    trainer = optimizers.VarianceReducedModel(model, batches(x, y))
+        models.VarianceReducedModel(model, batches(x, y).repeat())
+    trainer = models.VarianceReducedModel(model, batches(x, y))
     with pytest.raises(TypeError, match=r"trains with `tfscale.optimizers.HALP`.*SGD"):
         trainer.compile(optimizer=keras.optimizers.SGD(), loss=LOSS())
     trainer.compile(optimizer=optimizers.HALP(epoch_length=5), steps_per_execution=2,

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from launch.studies import imagenet_archives
+from tfscale.launch.studies import imagenet_archives
 from multiworker import pids_with_env
 from multiworker import saved_step
 from multiworker import worker_env

@@ -63,7 +63,7 @@ def start_listening_workers(tmp_path, num_workers, isolate):
     """tfscale-launch of `num_workers` listening workers; returns the launcher
     and each worker's report once every worker's gRPC server is up."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", f"--num_workers={num_workers}",
+        [sys.executable, "-m", "tfscale.launch.local", f"--num_workers={num_workers}",
          f"--isolate={isolate}", "--timeout=150", "--",
          sys.executable, LISTENING_WORKER],
         cwd=str(tmp_path), env=_env(tmp_path), text=True,
@@ -131,7 +131,7 @@ def test_without_isolation_a_worker_is_reachable_through_the_external_address(
 def _launch_probe(tmp_path, isolate):
     # Without `ip` on PATH isolation is impossible, as it is without root.
     return subprocess.run(
-        [sys.executable, "-m", "launch.local", "--num_workers=2",
+        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
          f"--isolate={isolate}", "--", sys.executable, LAUNCH_PROBE, "ok"],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
         env=_env(tmp_path, PATH=os.path.dirname(sys.executable)))
@@ -142,7 +142,7 @@ def test_where_isolation_is_impossible_auto_says_the_workers_are_exposed(tmp_pat
     assert done.returncode == 0, done.stderr
     assert ("tfscale-launch: workers listen on all interfaces of this machine, "
             "unauthenticated (not isolated: ") in done.stderr
-    assert "README: Security" in done.stderr
+    assert "(docs/security.md)" in done.stderr
     assert done.stdout.count("tf_config=") == 2
 
 

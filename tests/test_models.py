@@ -1,4 +1,5 @@
-"""Tests for the models package (ResNet-50 v1.5, AlexNet-BN, the name registry)."""
+"""Tests for the models package (ResNet-50 v1.5, AlexNet-BN and its small
+variant, the name registry)."""
 
 import re
 
@@ -6,12 +7,13 @@ import keras
 import numpy as np
 import pytest
 
-import models
+from tfscale import models
 
 # Small configurations that build and run fast on CPU.
 _SMALL = {
     "resnet50": dict(num_classes=4, input_shape=(32, 32, 3)),
     "alexnet_bn": dict(num_classes=4, input_shape=(96, 96, 3), fc_units=32),
+    "alexnet_bn_small": dict(num_classes=4, input_shape=(8, 8, 3), width=8),
 }
 # The regex an optimizer would use to exclude parameters from weight decay.
 _NO_DECAY = r"bn|batch_normalization|bias$"
@@ -158,7 +160,73 @@ def test_alexnet_bn_argument_errors(kwargs, message):
         models.alexnet_bn(**kwargs)
 
 
-# ---------------------------------------------------------------- Both models
+# ---------------------------------------------------------- AlexNet-BN small
+
+
+def test_alexnet_bn_small_output_shape_and_dtype():
+    model = models.alexnet_bn_small()
+    assert model.name == "alexnet_bn_small"
+    assert model.input.shape == (None, 8, 8, 1)
+    assert model.get_layer("pool2").output.shape == (None, 2, 2, 64)
+    assert model.output.shape == (None, 10)
+    logits = model(np.zeros((3, 8, 8, 1), "float32"), training=False)
+    assert logits.shape == (3, 10)
+    assert keras.backend.standardize_dtype(logits.dtype) == "float32"
+
+
+def test_alexnet_bn_small_parameter_counts():
+    model = models.alexnet_bn_small()
+    # Defaults: 8x8x1 input, width 32, fc_units 64, 10 classes. Convolutions
+    # have no bias; each BN has gamma + beta (trainable) and moving mean +
+    # variance (not) per channel:
+    #   conv1 3*3*1*32 = 288; conv1_bn 2*32 = 64
+    #   conv2 3*3*32*64 = 18,432; conv2_bn 2*64 = 128
+    #   pool_bn (after pool2, 2x2x64) 2*64 = 128
+    #   fc1 (2*2*64 = 256 inputs) 256*64 + 64 = 16,448; fc2 64*10 + 10 = 650
+    #   trainable: 288 + 64 + 18,432 + 128 + 128 + 16,448 + 650 = 36,138
+    #   non-trainable: 2*32 + 2*64 + 2*64 = 320
+    assert _count(model.trainable_weights) == 36_138
+    assert _count(model.non_trainable_weights) == 320
+    assert model.count_params() == 36_458
+
+
+def test_alexnet_bn_small_batchnorm_settings():
+    model = models.alexnet_bn_small()
+    bns = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
+    assert [l.name for l in bns] == ["conv1_bn", "conv2_bn", "pool_bn"]
+    # Momentum 0.9 as alexnet_bn, but Keras's default epsilon (alexnet_bn:
+    # 1e-5): what docs/large_batch.md was measured with.
+    for layer in bns:
+        assert layer.momentum == 0.9, layer.name
+        assert layer.epsilon == 1e-3, layer.name
+    assert model.get_layer("pool_bn").input is model.get_layer("pool2").output
+    assert model.get_layer("flatten").input is model.get_layer("pool_bn").output
+
+
+def test_alexnet_bn_small_smallest_input():
+    models.alexnet_bn_small(input_shape=(4, 4, 1))
+    with pytest.raises(
+        ValueError, match=r"at least 4\. Received: input_shape=\(3, 8, 1\)"
+    ):
+        models.alexnet_bn_small(input_shape=(3, 8, 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_classes=0), r"Received: num_classes=0"),
+        (dict(width=0), r"Received: width=0"),
+        (dict(width=2.0), r"Received: width=2\.0"),
+        (dict(fc_units=True), r"Received: fc_units=True"),
+        (dict(input_shape=(8, 8)), r"Received: input_shape=\(8, 8\)"),
+    ],
+)
+def test_alexnet_bn_small_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        models.alexnet_bn_small(**kwargs)
+
+
+# ---------------------------------------------------------------- All models
 
 
 @pytest.mark.parametrize(
@@ -204,7 +272,12 @@ def test_mixed_precision(name, policy, half):
     first_conv = next(l for l in model.layers if isinstance(l, keras.layers.Conv2D))
     assert first_conv.compute_dtype == half
     assert first_conv.output.dtype == half
-    assert model.get_layer("logits").input.dtype == half  # final Dense is half too
+    if name == "alexnet_bn_small":
+        # Its final Dense computes in float32 itself (no "logits" cast layer).
+        assert model.get_layer("fc1").output.dtype == half
+        assert model.get_layer("fc2").compute_dtype == "float32"
+    else:
+        assert model.get_layer("logits").input.dtype == half  # final Dense too
     assert model.output.dtype == "float32"
     x = np.random.default_rng(0).random((2,) + _SMALL[name]["input_shape"], "float32")
     logits = model(x, training=False)
@@ -263,14 +336,16 @@ def test_alexnet_bn_serialization_round_trip(tmp_path, small_model):
 # ---------------------------------------------------------------- Registry
 
 
-@pytest.mark.parametrize("name", ["alexnet_bn", "resnet50"])
+@pytest.mark.parametrize("name", ["alexnet_bn", "alexnet_bn_small", "resnet50"])
 def test_names_and_get(name, small_model):
-    assert models.names() == ["alexnet_bn", "resnet50"]
+    assert models.names() == ["alexnet_bn", "alexnet_bn_small", "resnet50"]
     assert small_model(name).name == name  # small_model builds through get().
 
 
 def test_get_unknown_name():
     with pytest.raises(
-        ValueError, match=r"^Unknown model name: 'vgg'\. Known: alexnet_bn, resnet50$"
+        ValueError,
+        match=r"^Unknown model name: 'vgg'\. Known: alexnet_bn, alexnet_bn_small, "
+        r"resnet50$",
     ):
         models.get("vgg")

@@ -43,7 +43,7 @@ def _env(tmp_path, **extra):
 
 def _start(tmp_path, *args, **env):
     return subprocess.Popen(
-        [sys.executable, "-m", "launch.local", *args],
+        [sys.executable, "-m", "tfscale.launch.local", *args],
         cwd=str(tmp_path), env=_env(tmp_path, **env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # Ctrl-C must reach it even if this test runs with SIGINT ignored.
@@ -138,7 +138,7 @@ def test_refuses_clearly_where_not_permitted(tmp_path):
 
 
 def test_refuses_without_root(monkeypatch):
-    from launch import netns
+    from tfscale.launch import netns
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(netns.EmulationError, match="need root"):
@@ -150,7 +150,7 @@ def test_refuses_without_root(monkeypatch):
 
 def test_a_failing_ip_netns_add_is_named_and_nothing_is_left(
         permitted, monkeypatch, tmp_path):
-    from launch import netns
+    from tfscale.launch import netns
 
     # An `ip` first on PATH whose second `ip netns add` (node 1) fails.
     fake_ip = tmp_path / "ip"

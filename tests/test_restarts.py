@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from launch.restarts import RestartPolicy
-from launch.restarts import WorkerFailure
+from tfscale.launch.restarts import RestartPolicy
+from tfscale.launch.restarts import WorkerFailure
 
 
 def failure(slot, seconds=1.0, code=3, index=None):

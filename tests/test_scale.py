@@ -20,7 +20,7 @@ NETNS_PROBLEM = multiworker.netns_not_permitted_reason()
 def test_sixteen_workers_on_four_nodes_train_as_one_worker_with_every_algorithm(tmp_path):
     output = tmp_path / "scale.json"
     process = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "scale", "--worker_counts=16",
+        [sys.executable, "-m", "tfscale.launch.bench", "scale", "--worker_counts=16",
          "--num_workers=16", "--emulate_nodes=4", "--timeout=900", f"--output={output}"],
         cwd=tmp_path, env=multiworker.worker_env(tmp_path), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=1200)

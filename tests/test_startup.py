@@ -18,7 +18,7 @@ import pytest
 
 from multiworker import worker_env
 
-TRAIN = [sys.executable, "-m", "launch.train", "--fc_units=16",
+TRAIN = [sys.executable, "-m", "tfscale.launch.train", "--fc_units=16",
          "--global_batch_size=24", "--epochs=1", "--steps_per_epoch=2",
          "--export_dir=export", "--collective_timeout=120"]
 STARTUP_TIMEOUT = 12  # seconds: reports every quarter of it, 3 s
@@ -43,9 +43,9 @@ def start_worker(tmp_path, addresses, index, *flags):
 
 
 def two_addresses():
-    from launch import local
+    from tfscale.launch import ports
 
-    return [f"127.0.0.1:{port}" for port in local.free_ports("127.0.0.1", 2)]
+    return [f"127.0.0.1:{port}" for port in ports.free_ports("127.0.0.1", 2)]
 
 
 def wait_for_text(log_path, text, seconds):
@@ -77,10 +77,10 @@ def cleanup():
 
 
 def test_names_missing_tasks_as_tfscale_names_them_with_a_chief_job():
-    from launch import local
+    from tfscale.launch import ports
     from tfscale import startup
 
-    addresses = [f"127.0.0.1:{port}" for port in local.free_ports("127.0.0.1", 4)]
+    addresses = [f"127.0.0.1:{port}" for port in ports.free_ports("127.0.0.1", 4)]
     cluster = {"chief": [addresses[0]], "worker": addresses[1:3], "evaluator": [addresses[3]]}
     host, port = addresses[1].rsplit(":", 1)
     with socket.create_server((host, int(port))):  # worker 0 has started

@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+import multiworker
+
 pytestmark = pytest.mark.multiworker
 
 SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
@@ -91,6 +93,37 @@ def test_a_flag_out_of_its_range_is_refused_before_anything_is_written(tmp_path)
     assert process.returncode != 0
     assert "--epochs must be >= 1, got 0." in process.stdout
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs=0"], "tfscale-train: --epochs must be >= 1, got 0."),
+    (["--model=alexnet"], "tfscale-train: --model='alexnet' is unknown. "
+                          "Known: alexnet_bn, resnet50"),
+    (["epochs=3"], "tfscale-train: unexpected arguments: epochs=3 (flags are "
+                   "written --name=value; tfscale-train --helpshort lists them)"),
+])
+def test_a_bad_flag_is_one_line_without_the_flag_listing(tmp_path, args, message):
+    process = run(["tfscale-train", *args], cwd=tmp_path, timeout=120)
+    assert process.returncode == 1
+    lines = [l for l in process.stdout.splitlines() if l.strip()]
+    assert lines[-1] == message, process.stdout[-3000:]
+    assert "--global_batch_size" not in process.stdout  # no usage listing
+
+
+def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_path):
+    runs = []
+    for attempt in range(2):
+        process = run(["tfscale-train", "--deterministic", "--epochs=2", *SMALL,
+                       "--export_dir=", f"--model_dir={tmp_path / str(attempt)}"],
+                      cwd=tmp_path)
+        assert process.returncode == 0, process.stdout[-6000:]
+        assert "Op determinism on: every op runs a deterministic kernel" in (
+            process.stdout)
+        runs.append(multiworker.checkpoint_variables(tmp_path / str(attempt)))
+    (step, first), (_, second) = runs
+    assert step == 8 and first.keys() == second.keys()
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
 def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):

@@ -10,7 +10,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 import tfscale
-from launch import train_flags
+from tfscale.launch import train_flags
 from tfscale import recipes
 from tfscale import schedules
 
@@ -164,7 +164,7 @@ def test_implementation_is_shared_by_all_workers_but_not_a_training_flag():
 
 
 @pytest.mark.parametrize("command", [["tfscale-train"],
-                                     [sys.executable, "-m", "launch.train"]])
+                                     [sys.executable, "-m", "tfscale.launch.train"]])
 @pytest.mark.multiworker
 def test_help_lists_every_flag(command):
     """`--help` (not only --helpfull) lists the flags of every group."""

@@ -14,7 +14,7 @@ One module per subcommand (`allreduce`, `train`, `project`, `gpucheck`, `scale`)
 own flags when it is chosen: `tfscale-bench allreduce --help` lists what
 `allreduce` takes. `allreduce`, `train`, `gpucheck` and `scale` start their workers through
 tfscale-launch (`cluster.launch_workers`); each worker process runs
-`python -m launch.bench.worker SPEC`.
+`python -m tfscale.launch.bench.worker SPEC`.
 """
 
 import importlib
@@ -22,7 +22,7 @@ import sys
 
 from absl import app
 
-from launch import flag_help
+from tfscale.launch import flag_help
 
 # Subcommand -> what it does, for the usage line.
 SUBCOMMANDS = {
@@ -56,7 +56,7 @@ def _list_in_help(command):
     """Makes `--help` describe `command` and list the flags launch/ defined
     (the subcommand's own, and tfscale-launch's from launch.local)."""
     sys.modules["__main__"].__doc__ = command.__doc__
-    flag_help.list_in_help("launch.")
+    flag_help.list_in_help("tfscale.launch.")
 
 
 def run(argv=None):
@@ -74,7 +74,7 @@ def run(argv=None):
     if name not in SUBCOMMANDS:
         print(f"tfscale-bench: unknown subcommand {name!r}.\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    command = importlib.import_module(f"launch.bench.{name}")
+    command = importlib.import_module(f"tfscale.launch.bench.{name}")
     command.define_flags()
     _list_in_help(command)
     app.run(lambda args: _main(command, name, args), argv=argv)
@@ -85,8 +85,8 @@ def _main(command, name, argv):
     extra = argv[1:]
     extra.remove(name)
     if extra:
-        raise app.UsageError(
-            f"tfscale-bench {name} takes flags only. Received: {' '.join(extra)}")
+        sys.exit(f"tfscale-bench {name} takes flags only. Received: "
+                 f"{' '.join(extra)}")
     try:
         command.main()
     except (RuntimeError, ValueError) as error:

@@ -1,6 +1,6 @@
-"""`python -m launch.bench SUBCOMMAND ...`: the same as `tfscale-bench`."""
+"""`python -m tfscale.launch.bench SUBCOMMAND ...`: the same as `tfscale-bench`."""
 
-from launch.bench import run
+from tfscale.launch.bench import run
 
 if __name__ == "__main__":
     run()

@@ -18,9 +18,9 @@ import tempfile
 
 from absl import flags
 
-from launch.bench import cluster
-from launch.bench import report
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import report
+from tfscale.launch.bench import stats
 
 _MiB = 1024 * 1024
 FLAGS = flags.FLAGS
@@ -55,7 +55,7 @@ def define_flags():
 def _input_sets():
     """`(mode, [(name, shapes)])`: what each case all-reduces."""
     if FLAGS.gradients:
-        from launch.bench import gradients
+        from tfscale.launch.bench import gradients
 
         return "gradients", [(FLAGS.gradients, gradients.shapes(FLAGS.gradients))]
     try:
@@ -118,7 +118,7 @@ def main():
         report.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
         if FLAGS.plot:
-            from launch.bench import plot
+            from tfscale.launch.bench import plot
 
             path = os.path.splitext(FLAGS.output)[0] + ".png"
             plot.busbw_vs_size(rows, path, title=(

@@ -32,8 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 import tfscale
-from launch.bench import cluster
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import stats
 from tfscale import agreement
 from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.strategy import KerasMultiWorkerMirroredStrategy

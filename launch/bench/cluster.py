@@ -2,7 +2,7 @@
 configurations they compare, and starting workers through tfscale-launch.
 
 A subcommand writes a spec (JSON) for its workers; `launch_workers` starts
-them (`python -m launch.bench.worker SPEC`, see worker.py) and returns what
+them (`python -m tfscale.launch.bench.worker SPEC`, see worker.py) and returns what
 each wrote to `<out_prefix>-<rank>.json`.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 from absl import flags
 
-from launch.bench import stats
+from tfscale.launch.bench import stats
 
 _MiB = 1024 * 1024
 STOCK = "stock"  # TF's own MultiWorkerMirroredStrategy all-reduce
@@ -27,7 +27,7 @@ def define_flags():
     tfscale-launch's own flags (--num_workers, --timeout, --grace_seconds,
     --emulate_nodes, --inter_node_rate, ...) come with launch.local.
     """
-    from launch import local
+    from tfscale.launch import local
     from tfscale import collectives
 
     local.define_flags()
@@ -135,7 +135,7 @@ def launch_workers(spec, work_dir, name, num_workers=None, emulate=True,
     Raises:
         RuntimeError: if the launch fails or a worker writes nothing.
     """
-    from launch import local
+    from tfscale.launch import local
 
     num_workers = num_workers or FLAGS.num_workers
     spec = dict(spec, out_prefix=os.path.join(work_dir, name))
@@ -149,7 +149,7 @@ def launch_workers(spec, work_dir, name, num_workers=None, emulate=True,
             emulate_nodes=FLAGS.emulate_nodes, inter_node_rate=FLAGS.inter_node_rate,
             inter_node_burst=FLAGS.inter_node_burst,
             inter_node_latency=FLAGS.inter_node_latency)
-    command = [sys.executable, "-m", "launch.bench.worker", spec_path]
+    command = [sys.executable, "-m", "tfscale.launch.bench.worker", spec_path]
     print(f"tfscale-bench: launching {num_workers} worker(s): {name}", flush=True)
     code = local.launch(command, num_workers, timeout=FLAGS.timeout,
                         grace_seconds=FLAGS.grace_seconds, isolate=FLAGS.isolate,

@@ -26,9 +26,9 @@ import tempfile
 
 from absl import flags
 
-from launch.bench import cluster
-from launch.bench import report
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import report
+from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
 ALGORITHMS = ("ring", "hierarchical", "2d", "halving_doubling")
@@ -36,7 +36,7 @@ ALGORITHMS = ("ring", "hierarchical", "2d", "halving_doubling")
 
 def define_flags():
     """Defines gpucheck's flags (and tfscale-launch's, for its workers)."""
-    from launch import local
+    from tfscale.launch import local
 
     local.define_flags()
     flags.DEFINE_string("size", "64MB", "Bytes of float32 per all-reduce (B, KB, "

@@ -10,7 +10,7 @@ import os
 
 import tensorflow as tf
 
-from launch.bench import allreduce_worker
+from tfscale.launch.bench import allreduce_worker
 
 
 def visible_gpus():

@@ -8,7 +8,7 @@ def shapes(model_name):
     Forward order, at the model's default (published) input size and 1000
     classes: what a step's gradients are.
     """
-    import models
+    from tfscale import models
 
     model = models.get(model_name)
     return [list(v.shape) for v in model.trainable_variables]

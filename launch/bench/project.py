@@ -29,9 +29,9 @@ import math
 
 from absl import flags
 
-from launch.bench import cluster
-from launch.bench import gradients
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import gradients
+from tfscale.launch.bench import stats
 from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
 
 # The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System

@@ -6,8 +6,8 @@ the slowest worker. Every row carries the fields in `REQUIRED_FIELDS`.
 """
 
 import collections
-from launch.bench import cluster
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import stats
 
 # Fields every JSON row has (bytes/second for the bandwidths).
 REQUIRED_FIELDS = (

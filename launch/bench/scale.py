@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 from absl import flags
 
-from launch.bench import cluster
+from tfscale.launch.bench import cluster
 
 FLAGS = flags.FLAGS
 DEFAULT = "default"  # CommunicationOptions() as a user builds it
@@ -39,7 +39,7 @@ DEFAULT = "default"  # CommunicationOptions() as a user builds it
 
 def define_flags():
     """Defines scale's flags (and tfscale-launch's, for its workers)."""
-    from launch import local
+    from tfscale.launch import local
     from tfscale import collectives
 
     local.define_flags()

@@ -38,8 +38,8 @@ import tempfile
 
 from absl import flags
 
-from launch.bench import cluster
-from launch.bench import stats
+from tfscale.launch.bench import cluster
+from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
 
@@ -214,7 +214,7 @@ def main():
 
 def _plot(rows, path, title):
     """Bars of images/s per configuration, one series per precision."""
-    from launch.bench import plot
+    from tfscale.launch.bench import plot
 
     names = list(dict.fromkeys(r["config"] for r in rows))
     series = {}

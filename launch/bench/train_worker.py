@@ -14,9 +14,9 @@ import statistics
 
 import keras
 
-import models
+from tfscale import models
 import tfscale
-from launch.bench import cluster
+from tfscale.launch.bench import cluster
 from tfscale import agreement
 from tfscale import callbacks
 from tfscale import collectives

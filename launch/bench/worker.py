@@ -1,4 +1,4 @@
-"""One worker process of a tfscale-bench subcommand: `python -m launch.bench.worker SPEC`.
+"""One worker process of a tfscale-bench subcommand: `python -m tfscale.launch.bench.worker SPEC`.
 
 tfscale-launch starts N of these with their TF_CONFIG (cluster.launch_workers).
 Each reads the spec its subcommand wrote, measures, and writes its result to
@@ -12,10 +12,10 @@ import sys
 
 # spec["command"] -> the module whose `measure(spec)` this worker runs.
 _MEASURES = {
-    "allreduce": "launch.bench.allreduce_worker",
-    "train": "launch.bench.train_worker",
-    "gpucheck": "launch.bench.gpucheck_worker",
-    "scale": "launch.bench.scale_worker",
+    "allreduce": "tfscale.launch.bench.allreduce_worker",
+    "train": "tfscale.launch.bench.train_worker",
+    "gpucheck": "tfscale.launch.bench.gpucheck_worker",
+    "scale": "tfscale.launch.bench.scale_worker",
 }
 
 
@@ -34,6 +34,6 @@ def main(spec_path):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("Usage: python -m launch.bench.worker SPEC_PATH (written by "
+        sys.exit("Usage: python -m tfscale.launch.bench.worker SPEC_PATH (written by "
                  f"tfscale-bench). Received: {' '.join(sys.argv[1:]) or 'nothing'}")
     main(sys.argv[1])

@@ -1,6 +1,6 @@
 r"""ImageNet input pipeline speed per core, beside what a model step consumes.
 
-    python -m launch.studies.imagenet_input
+    python -m tfscale.launch.studies.imagenet_input
 
 Writes archives in the real ILSVRC2012 layout of generated ImageNet-sized
 JPEGs (500x375 and 375x500, about 90 KB each, as ImageNet's average of about
@@ -84,7 +84,7 @@ def time_model(batch, steps):
     import keras
     import tensorflow as tf
 
-    import models
+    from tfscale import models
 
     keras.utils.set_random_seed(0)
     model = models.resnet50(num_classes=1000)
@@ -109,7 +109,7 @@ def main(argv):
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
-    from launch.studies import imagenet_archives
+    from tfscale.launch.studies import imagenet_archives
     from tfscale import data
     from tfscale import imagenet_source
 

@@ -1,6 +1,6 @@
 """Bytes on the wire per step of ResNet-50's and AlexNet-BN's gradients under PowerSGD.
 
-    python -m launch.studies.powersgd_sizes
+    python -m tfscale.launch.studies.powersgd_sizes
 
 For each model (published sizes, 1000 classes) and ranks 1, 2 and 4, the
 total line of `tfscale.collectives.powersgd.describe`
@@ -10,7 +10,7 @@ compressed matrices and the tensors left uncompressed contribute. One
 process, nothing trained: the sizes follow from the shapes.
 """
 
-import models
+from tfscale import models
 from tfscale.collectives import powersgd
 
 RANKS = (1, 2, 4)

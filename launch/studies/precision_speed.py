@@ -1,8 +1,9 @@
-r"""Training speed per --precision on this machine, one process, synthetic data.
+r"""Training speed per --precision (and with op determinism) on this machine,
+synthetic data.
 
-    python -m launch.studies.precision_speed --model=resnet50 --image_size=224 \
+    python -m tfscale.launch.studies.precision_speed --model=resnet50 --image_size=224 \
         --batch_size=8 --steps=3 --warmup_steps=1 --rounds=1
-    python -m launch.studies.precision_speed --model=alexnet_bn --image_size=67 \
+    python -m tfscale.launch.studies.precision_speed --model=alexnet_bn --image_size=67 \
         --fc_units=64 --num_classes=10 --batch_size=64 --steps=4
 
 Each precision trains the same model (built under that dtype policy, SGD
@@ -11,7 +12,17 @@ scaling) on one repeated random batch; rounds alternate between the
 precisions so that drifting load on a shared machine hits all of them. The
 first --warmup_steps of each run (graph building, first-step allocation) are
 not timed. Prints the median step time and images/s per precision and the
-speed-up over the first precision.
+speed-up over the first precision. Each run is a process of its own: op
+determinism, once enabled, stays on for the process.
+
+    python -m tfscale.launch.studies.precision_speed --model=alexnet_bn --image_size=67 \
+        --fc_units=64 --num_classes=10 --batch_size=64 --steps=4 \
+        --precisions=float32 --deterministic_too
+
+`--deterministic_too` also times each precision under
+`tf.config.experimental.enable_op_determinism()` (tfscale-train
+--deterministic): the cost of reproducible kernels, a row "float32,
+deterministic" against its precision without.
 
 On a CPU without AVX-512, oneDNN has no bfloat16 kernels and TensorFlow
 falls back to Eigen's, which are many times slower than float32 (measured:
@@ -22,15 +33,18 @@ EPYC with AVX-512 and avx512_bf16, the two commands above measured
 mixed_bfloat16 at 1.23x (ResNet-50) and 1.14x (AlexNet-BN) float32.
 """
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 
 import keras
 import tensorflow as tf
 from absl import app
 from absl import flags
 
-import models
+from tfscale import models
 from tfscale import callbacks
 from tfscale import recipes
 
@@ -53,6 +67,11 @@ def define_flags():
     flags.DEFINE_integer("fc_units", 4096,
                          "alexnet_bn's fully connected width.")
     flags.DEFINE_integer("num_classes", 1000, "Output classes.")
+    flags.DEFINE_bool("deterministic_too", False,
+                      "Also time each precision with op determinism on.")
+    flags.DEFINE_string("time_one_run", None,
+                        "Internal: time one run of PRECISION[,deterministic] "
+                        "in this process and print its step times as JSON.")
 
 
 def time_steps(precision):
@@ -83,6 +102,31 @@ def time_steps(precision):
     return timer.step_seconds[FLAGS.warmup_steps:]
 
 
+_DETERMINISTIC = ",deterministic"
+
+
+def time_one_run(run):
+    """The child's side: times `run` ("PRECISION[,deterministic]")."""
+    precision = run.removesuffix(_DETERMINISTIC)
+    if run.endswith(_DETERMINISTIC):
+        tf.config.experimental.enable_op_determinism()
+    print("STEP_SECONDS " + json.dumps(time_steps(precision)), flush=True)
+
+
+def time_in_a_process(run):
+    """Step times of `run` timed by a child process with these flags."""
+    argv = [a for a in sys.argv[1:] if not a.startswith(
+        ("--deterministic_too", "--nodeterministic_too", "--time_one_run"))]
+    command = [sys.executable, "-m", __spec__.name, *argv,
+               f"--time_one_run={run}"]
+    child = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if child.returncode != 0:
+        sys.exit(f"precision_speed: the run of {run} failed (exit "
+                 f"{child.returncode}); its output is above")
+    line = [l for l in child.stdout.splitlines() if l.startswith("STEP_SECONDS ")]
+    return json.loads(line[-1].split(" ", 1)[1])
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -91,12 +135,18 @@ def main(argv):
         raise app.UsageError(
             f"--precisions must name some of {', '.join(recipes.PRECISIONS)}."
             f" Received: precisions={FLAGS.precisions!r}")
-    times = {precision: [] for precision in FLAGS.precisions}
+    if FLAGS.time_one_run:
+        time_one_run(FLAGS.time_one_run)
+        return
+    runs = [variant for precision in FLAGS.precisions for variant in (
+        (precision, precision + _DETERMINISTIC) if FLAGS.deterministic_too
+        else (precision,))]
+    times = {run: [] for run in runs}
     for round_index in range(FLAGS.rounds):
-        for precision in FLAGS.precisions:
-            run_times = time_steps(precision)
-            times[precision] += run_times
-            print(f"round {round_index + 1}, {precision}: median "
+        for run in runs:
+            run_times = time_in_a_process(run)
+            times[run] += run_times
+            print(f"round {round_index + 1}, {run}: median "
                   f"{statistics.median(run_times):.3f} s/step", flush=True)
     first = FLAGS.precisions[0]
     base = statistics.median(times[first])
@@ -104,13 +154,15 @@ def main(argv):
     print(f"{FLAGS.model}, {FLAGS.image_size}x{FLAGS.image_size}, batch "
           f"{FLAGS.batch_size}, {FLAGS.rounds} x {FLAGS.steps} timed steps "
           f"per precision, TF_ENABLE_ONEDNN_OPTS={onednn}:")
-    for precision in FLAGS.precisions:
-        step = statistics.median(times[precision])
-        print(f"  {precision:15s} median {step:.3f} s/step "
-              f"(min {min(times[precision]):.3f}, max "
-              f"{max(times[precision]):.3f}), "
-              f"{FLAGS.batch_size / step:.1f} images/s, "
-              f"{base / step:.2f}x {first}", flush=True)
+    for run in runs:
+        step = statistics.median(times[run])
+        against = f"{base / step:.2f}x {first}"
+        if run.endswith(_DETERMINISTIC):
+            plain = statistics.median(times[run.removesuffix(_DETERMINISTIC)])
+            against += f", {plain / step:.2f}x without determinism"
+        print(f"  {run.replace(',', ', '):29s} median {step:.3f} s/step "
+              f"(min {min(times[run]):.3f}, max {max(times[run]):.3f}), "
+              f"{FLAGS.batch_size / step:.1f} images/s, {against}", flush=True)
 
 
 def run():

@@ -1,5 +1,5 @@
 """How far a 3 -> 2 worker resume ends from the 3-worker run, with and without
-BatchNorm: the numbers README's "When things fail" row quotes.
+BatchNorm: the numbers docs/failures.md's row quotes.
 
 Usage (from the repository root, one multi-worker job at a time):
     python tests/reliability/compare_elastic_batch_norm.py

@@ -33,9 +33,9 @@ KILL_RANGES = [(2, 5), (8, 12), (15, 18)]
 
 
 def command(model_dir, *launcher_flags):
-    return [sys.executable, "-m", "launch.local", "--num_workers=2", "--timeout=400",
+    return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=400",
             "--grace_seconds=2", *launcher_flags, "--",
-            sys.executable, "-m", "launch.train", "--fc_units=32",
+            sys.executable, "-m", "tfscale.launch.train", "--fc_units=32",
             "--global_batch_size=32", f"--epochs={EPOCHS}",
             f"--steps_per_epoch={STEPS_PER_EPOCH}",
             f"--checkpoint_steps={CHECKPOINT_STEPS}", f"--model_dir={model_dir}",

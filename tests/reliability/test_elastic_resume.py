@@ -64,7 +64,7 @@ def test_a_slot_that_keeps_failing_is_dropped_and_training_finishes_on_2_workers
              "--steps_per_epoch=14", "--checkpoint_steps=2", f"--model_dir={model_dir}",
              "--export_dir="]
     done = subprocess.run(
-        [sys.executable, "-m", "launch.local", "--num_workers=3", "--timeout=400",
+        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=3", "--timeout=400",
          "--grace_seconds=2", "--max_restarts=3", "--min_workers=2", "--",
          sys.executable, os.path.join(WORKERS_DIR, "flaky_slot_train.py"),
          "2", str(model_dir), "4", "--", *train],

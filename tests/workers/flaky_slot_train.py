@@ -1,4 +1,4 @@
-"""Runs `python -m launch.train ARGS` as a worker whose slot may be broken.
+"""Runs `python -m tfscale.launch.train ARGS` as a worker whose slot may be broken.
 
 Usage: flaky_slot_train.py SLOT MODEL_DIR FAIL_AT_STEP -- ARGS...
   The worker of slot SLOT (TFSCALE_SLOT) in the first launch trains until
@@ -26,7 +26,7 @@ def saved_step(directory):
 
 
 slot, model_dir, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-train = [sys.executable, "-m", "launch.train", *sys.argv[5:]]
+train = [sys.executable, "-m", "tfscale.launch.train", *sys.argv[5:]]
 if os.environ["TFSCALE_SLOT"] != slot:
     os.execv(sys.executable, train)
 if os.environ["TFSCALE_RESTART_COUNT"] != "0":

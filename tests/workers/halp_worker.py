@@ -14,6 +14,7 @@ import tensorflow as tf
 from absl import app
 
 import tfscale
+from tfscale import models
 from report import report
 
 FEATURES = 4
@@ -42,7 +43,7 @@ def main(argv):
             keras.layers.Dense(1, dtype="float64",
                                kernel_regularizer=keras.regularizers.L2(L2)),
         ])
-        trainer = tfscale.optimizers.VarianceReducedModel(
+        trainer = models.VarianceReducedModel(
             model, full_gradient_data=tf.data.Dataset.from_tensor_slices(
                 (x, y)).batch(GLOBAL_BATCH))
         optimizer = tfscale.optimizers.HALP(

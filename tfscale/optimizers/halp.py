@@ -2,7 +2,7 @@
 
 Both need two gradients per step, at the current point and at the anchor,
 on the same batch, and a full gradient every `epoch_length` steps: train
-with `tfscale.optimizers.VarianceReducedModel`, which computes them.
+with `tfscale.models.VarianceReducedModel`, which computes them.
 """
 
 import keras
@@ -162,7 +162,7 @@ class HALP(keras.optimizers.Optimizer):
             raise ValueError(
                 f"{type(self).__name__} needs the gradient at the anchor point "
                 "and the full gradient as well as the step's gradient: train "
-                "with `tfscale.optimizers.VarianceReducedModel(model)` "
+                "with `tfscale.models.VarianceReducedModel(model)` "
                 "(compile and fit that), not with the model itself.")
         return super().apply(grads, trainable_variables)
 
@@ -206,7 +206,7 @@ class SVRG(HALP):
     current weights); each step `w = w - learning_rate * (g_i(w) - g_i(w~) +
     g~)` on the step's batch `i` (Johnson and Zhang 2013, the last iterate
     as the next anchor; HazyResearch/torchhalp, `torchhalp/optim/svrg.py`). Train
-    with `tfscale.optimizers.VarianceReducedModel`.
+    with `tfscale.models.VarianceReducedModel`.
 
     Args:
         learning_rate: the step size.

@@ -25,7 +25,7 @@ class VarianceReducedModel(keras.Model):
     ```python
     with strategy.scope():  # tfscale.Strategy(), or none
         model = keras.Sequential([...])  # regularizers in the model
-        trainer = tfscale.optimizers.VarianceReducedModel(
+        trainer = tfscale.models.VarianceReducedModel(
             model, full_gradient_data=train_dataset)  # finite, batched (x, y)
         trainer.compile(
             optimizer=tfscale.optimizers.HALP(
