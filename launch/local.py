@@ -77,6 +77,7 @@ import time
 from absl import app
 from absl import flags
 
+from tfscale import flight_report
 from tfscale.launch import flag_help
 from tfscale.launch import gpus
 from tfscale.launch import netns
@@ -257,6 +258,7 @@ class Workers:
     def __init__(self, command, envs, prefixes=None):
         self._lock = threading.Lock()
         self.bind_failures = set()  # indices of workers that could not bind
+        self.flight_positions = {}  # index: its flight recorder's last report
         self.processes = []
         self._printers = []
         for index, env in enumerate(envs):
@@ -282,6 +284,9 @@ class Workers:
         for line in iter(stream.readline, b""):
             if _BIND_FAILURE.search(line):
                 self.bind_failures.add(index)
+            position = flight_report.parse(line.decode(errors="replace"))
+            if position is not None:
+                self.flight_positions[index] = position
             with self._lock:
                 sys.stdout.buffer.write(prefix + line)
                 sys.stdout.buffer.flush()
@@ -293,6 +298,15 @@ class Workers:
             if code is not None and code != 0:
                 return index, code
         return None
+
+    def flight_summary(self):
+        """Which worker is behind, from the workers' flight recorder reports
+        (`tfscale.flight_report`), or None without reports."""
+        if not self.flight_positions:
+            return None
+        finished = {i for i, p in enumerate(self.processes) if p.poll() == 0}
+        return flight_report.summarize(self.flight_positions, len(self.processes),
+                                         finished=finished)
 
     def all_succeeded(self):
         return all(p.poll() == 0 for p in self.processes)
@@ -591,6 +605,10 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
                 index, code = failure
                 seconds = time.monotonic() - launched
                 workers.stop(grace_seconds)  # also reads the rest of their output
+                summary = workers.flight_summary()
+                if summary:
+                    print(f"tfscale-launch: flight recorder: {summary}.",
+                          file=sys.stderr, flush=True)
                 if retry and workers.bind_failures:
                     index = min(workers.bind_failures)
                     raise _PortTaken(f"worker {index} could not bind {addresses[index]}")

@@ -77,7 +77,7 @@ def validate_flags(config):
     for name in ("epochs", "global_batch_size"):
         if getattr(config, name) < 1:
             raise app.UsageError(f"--{name} must be >= 1, got {getattr(config, name)}.")
-    if config.hybrid_threshold_bytes is not None and config.algorithm != "hybrid":
+    if config.hybrid_threshold_bytes is not None and config.algorithm not in (None, "hybrid"):
         raise app.UsageError(
             "--hybrid_threshold_bytes applies only to --algorithm=hybrid, got "
             f"--algorithm={config.algorithm}."
@@ -422,6 +422,9 @@ def train(config):
         agreement.check_settings_agree(strategy, shared_settings(config))
         prepare_data(config, prepares=strategy.is_chief)
         data_plan = check_data(config)
+        if config.model_dir:  # the newest checkpoint that reads back whole
+            checkpoint.recover(config.model_dir, strategy.is_chief,
+                               config.collective_timeout or 3600)
         check_resume_settings(config, data_plan)
         model, start_step = build_model(config, strategy, data_plan)
     if strategy.is_chief:
@@ -511,8 +514,18 @@ def describe_failure(config, error):
             step, _ = checkpoint.latest(config.model_dir)
             kept = f" The last good checkpoint (step {step}) in {config.model_dir} is kept."
         return f"{error}{kept}"
-    if isinstance(error, (BadInputError, FileNotFoundError)):
+    if isinstance(error, (BadInputError, FileNotFoundError,
+                          checkpoint.CheckpointWriteError,
+                          checkpoint.NoIntactCheckpointError)):
         return str(error)
+    # Errors of this worker's own data or resources, not of its peers.
+    if isinstance(error, tf.errors.DataLossError):
+        return (f"Corrupt data ({_first_line(error)}): a file this worker read "
+                "is damaged. Replace it (a checkpoint: --model_dir moves corrupt "
+                "ones aside itself at the next start) and relaunch.")
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        return (f"Out of memory or disk space ({_first_line(error)}). Free it, "
+                "or use a smaller --global_batch_size, then relaunch.")
     if isinstance(error, tfscale.StartupError):
         if error.signum is None and error.missing:
             return f"{error} --startup_timeout sets this limit."
@@ -537,6 +550,11 @@ def describe_failure(config, error):
             "resumes from the last checkpoint."
         )
     return None
+
+
+def _first_line(error):
+    lines = [l.strip() for l in str(error.message).splitlines() if l.strip()]
+    return " ".join(lines[0].split()) if lines else type(error).__name__
 
 
 def _collective_cause(message):

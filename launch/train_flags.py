@@ -171,9 +171,11 @@ def _define_communication_flags():
         lower_bound=0,
     )
     flags.DEFINE_enum(
-        "algorithm", "hybrid", collectives.ALGORITHMS,
+        "algorithm", None, collectives.ALGORITHMS,
         "All-reduce algorithm per fused buffer "
-        "(tfscale.CommunicationOptions).",
+        "(tfscale.CommunicationOptions); unset: hybrid over TensorFlow's "
+        "ring, ring over NCCL (one NCCL all-reduce per buffer over all "
+        "workers, NCCL's own ring or tree inside).",
     )
     flags.DEFINE_integer(
         "hybrid_threshold_bytes", None,

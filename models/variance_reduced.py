@@ -3,7 +3,10 @@
 import keras
 import tensorflow as tf
 
-from tfscale.optimizers import halp
+# What this model calls on its optimizer, beyond Keras's (tfscale.optimizers'
+# HALP and SVRG have them). Duck typing keeps models/ free of imports from
+# the rest of tfscale.
+_VARIANCE_REDUCED_METHODS = ("recenter", "set_full_gradient", "apply_variance_reduced")
 
 
 class VarianceReducedModel(keras.Model):
@@ -86,7 +89,8 @@ class VarianceReducedModel(keras.Model):
     def compile(self, optimizer, **kwargs):
         """`keras.Model.compile`; `optimizer` must be a `tfscale.optimizers.HALP`
         (or `SVRG`)."""
-        if not isinstance(optimizer, halp.HALP):
+        if not all(callable(getattr(optimizer, name, None))
+                   for name in _VARIANCE_REDUCED_METHODS):
             raise TypeError(
                 "VarianceReducedModel trains with `tfscale.optimizers.HALP` or "
                 "`tfscale.optimizers.SVRG`; for any other optimizer compile "

@@ -170,3 +170,12 @@ def checkpoint_variables(directory):
     reader = tf.train.load_checkpoint(os.path.join(directory, state["checkpoint"], "ckpt"))
     names = [n for n in reader.get_variable_to_shape_map() if "OBJECT_CONFIG" not in n]
     return state["step"], {n: reader.get_tensor(n) for n in names}
+
+
+def flip_bytes(checkpoint_dir):
+    """Bit rot: a few bytes of the checkpoint's data shard inverted."""
+    (data,) = [p for p in checkpoint_dir.iterdir() if ".data-" in p.name]
+    raw = bytearray(data.read_bytes())
+    for offset in range(len(raw) // 2, len(raw) // 2 + 4):
+        raw[offset] ^= 0xFF
+    data.write_bytes(bytes(raw))

@@ -2,12 +2,15 @@
 
 import json
 import os
+import shutil
+import subprocess
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from multiworker import flip_bytes
 from tfscale import checkpoint
 
 
@@ -98,3 +101,95 @@ def test_restore_model_of_a_pruned_checkpoint_is_not_found(tmp_path):
         checkpoint.save(model, str(tmp_path), step)
     with pytest.raises(tf.errors.NotFoundError):
         checkpoint.restore_model(model, str(tmp_path / "step-000000001" / "ckpt"))
+
+
+def saved_steps(model, directory, steps):
+    weights = {}
+    for step in steps:
+        train(model, 1)
+        checkpoint.save(model, str(directory), step, extra={"epoch": step})
+        weights[step] = [v.numpy() for v in model.trainable_variables]
+    return weights
+
+
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_the_older_one_resumed(
+        tmp_path, caplog):
+    weights = saved_steps(compiled_model(0), tmp_path, (4, 8))
+    flip_bytes(tmp_path / "step-000000008")
+    with pytest.raises(tf.errors.OpError, match="Checksum does not match"):
+        checkpoint.restore(compiled_model(1), str(tmp_path))  # what users got
+    with caplog.at_level("WARNING"):
+        assert checkpoint.recover(str(tmp_path), is_chief=True) == 4
+    (moved,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("corrupt-")]
+    assert moved.startswith("corrupt-step-000000008-")
+    assert (tmp_path / moved / "ckpt.index").exists()  # kept, not deleted
+    assert not (tmp_path / "step-000000008").exists()
+    saved = checkpoint.state(str(tmp_path))
+    assert saved["step"] == 4 and saved["epoch"] == 4  # the older one's record
+    assert (f"The checkpoint of step 8 in {tmp_path} is corrupt (TensorBundle at "
+            in caplog.text and "Checksum does not match" in caplog.text and f"moved aside to {moved}" in caplog.text
+            and "resuming from the checkpoint of step 4" in caplog.text)
+    restored = compiled_model(1)
+    assert checkpoint.restore(restored, str(tmp_path)) == 4
+    for a, b in zip(weights[4], restored.trainable_variables, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+    # Training goes on from there; the next save names its own step again.
+    checkpoint.save(restored, str(tmp_path), 5)
+    assert checkpoint.state(str(tmp_path)) == {"step": 5, "checkpoint": "step-000000005"}
+    assert (tmp_path / moved).exists()
+
+
+def test_an_intact_checkpoint_is_left_as_it_is(tmp_path):
+    saved_steps(compiled_model(0), tmp_path, (4, 8))
+    before = (tmp_path / "state.json").read_text()
+    assert checkpoint.recover(str(tmp_path), is_chief=True) == 8
+    assert (tmp_path / "state.json").read_text() == before
+    assert checkpoint.recover(str(tmp_path / "none"), is_chief=True) == 0
+
+
+def test_no_intact_checkpoint_is_named_and_nothing_is_deleted(tmp_path):
+    saved_steps(compiled_model(0), tmp_path, (4, 8))
+    flip_bytes(tmp_path / "step-000000008")
+    flip_bytes(tmp_path / "step-000000004")
+    for attempt in range(2):  # and again at the next start
+        with pytest.raises(checkpoint.NoIntactCheckpointError,
+                           match=r"No checkpoint in .* reads back whole: step 8 "
+                                 r"\(TensorBundle at .*Checksum does not match.*\), "
+                                 r"moved to corrupt-step-000000008-"):
+            checkpoint.recover(str(tmp_path), is_chief=True)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("corrupt-")]) == 2
+    assert checkpoint.latest(str(tmp_path)) == (0, None)
+
+
+def _small_tmpfs(path, size):
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({mounted.stderr.strip()}): "
+                    "needs root")
+
+
+def test_a_full_disk_is_named_with_the_bytes_needed_and_the_last_good_one_kept(tmp_path):
+    disk = tmp_path / "disk"
+    _small_tmpfs(disk, "1m")
+    try:
+        model = compiled_model(0)
+        saved_steps(model, disk, (4,))
+        # Fill what is left, but for a few hundred bytes.
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * (free - 512))
+        with pytest.raises(checkpoint.CheckpointWriteError) as raised:
+            checkpoint.save(model, str(disk), 8)
+        message = str(raised.value)
+        needed = checkpoint.bytes_needed(model)
+        assert (f"No space left on device for the checkpoint of step 8 in {disk}: it "
+                f"needs about {needed:,} bytes and ") in message, message
+        assert "the checkpoint of step 4 stays the one a relaunch resumes from" in message
+        assert checkpoint.state(str(disk)) == {"epoch": 4, "step": 4,
+                                               "checkpoint": "step-000000004"}
+        assert not [p for p in disk.iterdir() if p.name.startswith(".partial-")]
+        (disk / "filler").unlink()
+        assert checkpoint.recover(str(disk), is_chief=True) == 4
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

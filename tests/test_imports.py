@@ -4,6 +4,10 @@ tfscale but itself."""
 
 import ast
 import os
+import subprocess
+import sys
+
+import pytest
 
 from multiworker import REPO_ROOT
 
@@ -74,3 +78,47 @@ def test_the_private_layer_imports_nothing_of_tfscale():
     outside = {name: sorted(d for d in deps if not d.startswith("tfscale._private"))
                for name, deps in graph().items() if name.startswith("tfscale._private")}
     assert not any(outside.values()), outside
+
+
+def imported_names(folder):
+    """{path: every module name an import statement of it names} for the
+    .py files under REPO_ROOT/`folder`."""
+    found = {}
+    for root, _, files in os.walk(os.path.join(REPO_ROOT, folder)):
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(root, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            names = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            found[os.path.relpath(path, REPO_ROOT)] = names
+    return found
+
+
+def test_the_layers_import_only_downward():
+    """tfscale never imports launch (tfscale.launch); models (tfscale.models)
+    imports nothing of tfscale but itself (DESIGN.md, Layers)."""
+    upward = {path: sorted(n for n in names if n.startswith("tfscale.launch"))
+              for path, names in imported_names("tfscale").items()}
+    assert not any(upward.values()), upward
+    outside = {path: sorted(n for n in names if n.startswith("tfscale")
+                            and not n.startswith("tfscale.models") and n != "tfscale")
+               for path, names in imported_names("models").items()}
+    assert not any(outside.values()), outside
+    assert not any("tfscale" in names for names in imported_names("models").values())
+
+
+@pytest.mark.multiworker
+def test_tfscale_launch_imports_neither_tensorflow_nor_keras():
+    """tfscale-launch only starts and watches workers: `import tfscale` is
+    lazy, so it stays a small process that starts at once."""
+    probe = ("import sys, tfscale.launch.local; "
+             "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout

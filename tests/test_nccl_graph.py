@@ -146,6 +146,38 @@ def test_nccl_chains_every_collective_of_a_worker_in_one_shared_order(algorithm)
     assert_one_order_for_all(chains)
 
 
+GPU = "/job:worker/replica:0/task:1/device:GPU:0"
+
+
+def default_algorithm(device, **options):
+    """What `tfscale.Strategy` runs for `CommunicationOptions(**options)` on
+    a worker whose device is `device`: (implementation, algorithm)."""
+    communication = tfscale.CommunicationOptions(**options)
+    resolved = implementation.resolve(communication.implementation, device)
+    return resolved, communication.algorithm or implementation.default_algorithm(
+        resolved, communication.hybrid_threshold_bytes)
+
+
+def test_the_default_on_a_gpu_is_one_nccl_all_reduce_per_bucket_over_all_workers():
+    assert default_algorithm(GPU) == ("nccl", "ring")
+    for topology in cluster(4, 2):  # two nodes: hybrid would use sub-groups
+        ops, all_reduce, groups = trace(topology, "ring", "nccl")
+        buckets = all_reduce.plan([tf.zeros([n]) for n in SIZES])
+        assert len(buckets) == 3 and {b.algorithm for b in buckets} == {"ring"}
+        # One all-reduce per bucket, all over the world group; NCCL's own
+        # ring or tree runs inside each.
+        assert [op.type for op in chain(ops)] == [REDUCE] * 3
+        assert {group_key(op) for op in ops} == {groups.world.key}
+        assert {op.get_attr("communication_hint") for op in ops} == {b"nccl"}
+
+
+def test_the_default_on_cpu_stays_hybrid_and_named_algorithms_stay_available():
+    assert default_algorithm(CPU) == ("ring", "hybrid")
+    assert default_algorithm(GPU, hybrid_threshold_bytes=2000) == ("nccl", "hybrid")
+    for name in ("hierarchical", "2d", "halving_doubling", "hybrid"):
+        assert default_algorithm(GPU, algorithm=name) == ("nccl", name)
+
+
 def test_nccl_hierarchical_order_on_a_leader_and_a_member():
     leader, member = cluster(4, 2)[:2]
     expected = {

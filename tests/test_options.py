@@ -16,7 +16,7 @@ PowerSGD = tfscale.PowerSGDOptions
 
 def test_defaults():
     assert Options().get_config() == {
-        "algorithm": "hybrid",
+        "algorithm": None,
         "fusion_threshold_bytes": 32 * 1024 * 1024,
         "hybrid_threshold_bytes": None,
         "local_size": None,
@@ -57,7 +57,7 @@ def test_options_are_frozen():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"algorithm": "tree"},
-     "Argument `algorithm` must be one of ['ring', 'hierarchical', '2d', "
+     "Argument `algorithm` must be None or one of ['ring', 'hierarchical', '2d', "
      "'halving_doubling', 'hybrid']. Received: algorithm='tree'"),
     ({"fusion_threshold_bytes": -1},
      "Argument `fusion_threshold_bytes` must be an integer >= 0. "

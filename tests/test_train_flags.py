@@ -147,7 +147,7 @@ def test_training_and_shared_flags():
     assert training["global_batch_size"] == 128 and training["seed"] == 3
     assert "model_dir" not in training and "learning_rate" not in training
     shared = train_flags.shared_flags()
-    assert shared["learning_rate"] == 0.05 and shared["algorithm"] == "hybrid"
+    assert shared["learning_rate"] == 0.05 and shared["algorithm"] is None
     assert not train_flags.LOCAL_FLAGS & shared.keys()
 
 

@@ -4,19 +4,54 @@
     with strategy.scope():
         model.compile(optimizer=tfscale.optimizers.LARS(...), ...)
     model.fit(...)
+
+The package loads lazily (PEP 562), as TensorFlow's own does: `import
+tfscale` imports neither TensorFlow nor Keras, so that tfscale-launch
+(`tfscale.launch.local`), which only starts and watches worker processes,
+stays a small process that starts at once. The first use of any name below
+imports all of tfscale (and registers its Keras serializables: a model saved
+with `tfscale.optimizers.LARS` loads once any tfscale name has been used, or
+after `from tfscale import optimizers`).
 """
 
-from tfscale import batch_growth
-from tfscale import callbacks
-from tfscale import data
-from tfscale import evaluator
-from tfscale import optimizers
-from tfscale import recipes
-from tfscale import schedules
-from tfscale import slurm
-from tfscale.startup import StartupError
-from tfscale.collectives.options import CommunicationOptions
-from tfscale.collectives.options import PowerSGDOptions
-from tfscale.strategy import Strategy
+import importlib
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it (a submodule: itself).
+_NAMES = {
+    "batch_growth": "tfscale.batch_growth",
+    "callbacks": "tfscale.callbacks",
+    "data": "tfscale.data",
+    "evaluator": "tfscale.evaluator",
+    "optimizers": "tfscale.optimizers",
+    "recipes": "tfscale.recipes",
+    "schedules": "tfscale.schedules",
+    "slurm": "tfscale.slurm",
+    "StartupError": "tfscale.startup",
+    "CommunicationOptions": "tfscale.collectives.options",
+    "PowerSGDOptions": "tfscale.collectives.options",
+    "Strategy": "tfscale.strategy",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def _load_all():
+    """Imports every public name into this module (what an eager
+    `__init__` would have done)."""
+    for name, module_name in _NAMES.items():
+        module = importlib.import_module(module_name)
+        globals()[name] = module if module_name == f"tfscale.{name}" else getattr(
+            module, name)
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'tfscale' has no attribute {name!r}")
+    _load_all()
+    return globals()[name]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))

@@ -16,17 +16,27 @@ strategy's `worker_state`) cannot be in the chief's checkpoint: each worker
 writes its own, atomically, under `worker-state/step-N/worker-R-of-W/`
 (`save_worker_state`), before the chief names step N in `state.json`, and
 `restore` reads it back on each worker.
+
+Storage fails in two ways a resume must survive. Bit rot on a shared volume:
+before resuming, `recover` reads the whole newest checkpoint (TensorBundle
+checks every tensor's CRC32C); a corrupt one is moved aside, never deleted,
+and training resumes from the newest intact one, each checkpoint carrying its
+own record for that. A full disk: `save` raises `CheckpointWriteError` naming
+the path and the bytes it needed, and the last good checkpoint stays named.
 """
 
+import errno
 import glob
 import itertools
 import json
 import os
 import re
 import shutil
+import time
 import uuid
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from tfscale._private import accessors
@@ -34,6 +44,8 @@ from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
 
 STATE_FILE = "state.json"
+# Where `recover` moves a corrupt checkpoint: beside the others, never read.
+CORRUPT_PREFIX = "corrupt-"
 WORKER_STATE_DIR = "worker-state"
 _KEEP = 2  # checkpoints kept: the newest one and the one before it
 # Seconds a worker waits at the barrier after writing its own state.
@@ -61,7 +73,7 @@ def state(directory):
 def latest(directory):
     """(step, checkpoint prefix) of the newest checkpoint, or (0, None)."""
     saved = state(directory)
-    if saved is None:
+    if saved is None or saved["checkpoint"] is None:  # None: see `recover`
         return 0, None
     return saved["step"], os.path.join(directory, saved["checkpoint"], "ckpt")
 
@@ -175,16 +187,50 @@ class _QOnly(tf.Module):
         self.q = q
 
 
-def _write_directory(trackable, final):
-    """Writes the `tf.train.Checkpoint` `trackable` as `final/ckpt`,
-    atomically: into a fresh directory beside `final`, renamed into place."""
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only volume);
+    the previous one stays complete and named."""
+
+
+class NoIntactCheckpointError(RuntimeError):
+    """`state.json` names checkpoints, and none of them can be read."""
+
+
+def _write_directory(trackable, final, record=None):
+    """Writes the `tf.train.Checkpoint` `trackable` as `final/ckpt` (and
+    `record` as `final/state.json`), atomically: into a fresh directory
+    beside `final`, renamed into place."""
     partial = os.path.join(os.path.dirname(final), f".partial-{uuid.uuid4().hex[:8]}")
     try:
         trackable.write(os.path.join(partial, "ckpt"))
+        if record is not None:
+            _write_json(os.path.join(partial, STATE_FILE), record)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _write_json(path, record):
+    """Writes `record` to `path` atomically (a temporary file, fsync, rename)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _no_space(error):
+    return (isinstance(error, tf.errors.ResourceExhaustedError)
+            or getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            or "No space left on device" in str(error))
+
+
+def bytes_needed(model):
+    """Bytes of the variables a checkpoint of `model` holds (its size, about)."""
+    variables = {id(v): v for v in [*model.variables, *model.optimizer.variables]}
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+               for v in variables.values())
 
 
 def restore_model(model, prefix):
@@ -214,16 +260,135 @@ def save(model, directory, step, extra=None):
     for stale in glob.glob(os.path.join(directory, ".partial-*")):
         shutil.rmtree(stale, ignore_errors=True)
     name = f"step-{step:09d}"
-    _write_directory(_trackable_state(model), os.path.join(directory, name))
-    state_path = os.path.join(directory, STATE_FILE)
-    with open(state_path + ".tmp", "w") as f:
-        json.dump({**(extra or {}), "step": step, "checkpoint": name}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(state_path + ".tmp", state_path)
+    record = {**(extra or {}), "step": step, "checkpoint": name}
+    try:
+        # The record in the checkpoint too: `recover` may resume from it
+        # when a newer one turns out corrupt.
+        _write_directory(_trackable_state(model), os.path.join(directory, name),
+                         record)
+        _write_json(os.path.join(directory, STATE_FILE), record)
+    except (OSError, tf.errors.OpError) as error:
+        if not _no_space(error):
+            raise
+        free = shutil.disk_usage(directory).free
+        kept = state(directory)
+        kept = (f"the checkpoint of step {kept['step']} stays the one a relaunch "
+                "resumes from" if kept else "there is no earlier checkpoint")
+        failure = CheckpointWriteError(
+            f"No space left on device for the checkpoint of step {step} in "
+            f"{directory}: it needs about {bytes_needed(model):,} bytes and "
+            f"{free:,} are free there ({type(error).__name__}); {kept}. "
+            "Free space or point --model_dir elsewhere, then relaunch.")
+        failure.errno = errno.ENOSPC
+        raise failure from None
     saved = sorted(d for d in os.listdir(directory) if d.startswith("step-"))
     for old in saved[:-_KEEP]:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def _read_every_tensor(prefix):
+    """Reads the whole checkpoint at `prefix`: TensorBundle checks each
+    tensor's CRC32C as it reads, so bit rot raises `DataLossError` here."""
+    reader = tf.train.load_checkpoint(prefix)
+    for name in reader.get_variable_to_shape_map():
+        reader.get_tensor(name)
+
+
+def _older_records(directory, newest):
+    """The records of the checkpoints older than `newest` that carry one,
+    newest first (checkpoints from before records were kept carry none)."""
+    records = []
+    for name in sorted(os.listdir(directory), reverse=True):
+        path = os.path.join(directory, name, STATE_FILE)
+        if name.startswith("step-") and name != newest["checkpoint"] and (
+                os.path.exists(path)):
+            with open(path) as f:
+                record = json.load(f)
+            if record["step"] < newest["step"]:
+                records.append(record)
+    return records
+
+
+def _find_intact(directory):
+    """(the newest intact record or None, [(record, error) of corrupt ones])."""
+    newest = state(directory)
+    corrupt = []
+    for record in [newest, *_older_records(directory, newest)]:
+        try:
+            _read_every_tensor(os.path.join(directory, record["checkpoint"], "ckpt"))
+        except tf.errors.OpError as error:  # checksum, truncation, a missing file
+            corrupt.append((record, error))
+            continue
+        return record, corrupt
+    return None, corrupt
+
+
+def _first_line(error):
+    message = getattr(error, "message", None) or str(error)
+    return " ".join(message.strip().splitlines()[0].split()) if message.strip() else (
+        type(error).__name__)
+
+
+def recover(directory, is_chief, timeout_seconds=_BARRIER_SECONDS):
+    """Before resuming from `directory`: makes `state.json` name the newest
+    checkpoint that reads back whole. EVERY worker calls it, at the same
+    point, before `state`, `latest` or `restore`.
+
+    The chief reads the checkpoint `state.json` names, every tensor of it
+    (TensorBundle's checksums); if that fails (bit rot, a truncated file, a
+    missing one), it moves the checkpoint aside to `corrupt-step-N-<time>`
+    (never deleting it), tries the next older one that carries its record,
+    and names the first intact one in `state.json`, with what it found. The
+    other workers wait for it, then every worker logs what happened.
+
+    Returns:
+        The step resumed from (0: nothing to resume).
+
+    Raises:
+        NoIntactCheckpointError: no checkpoint in `directory` reads back.
+    """
+    saved = state(directory)
+    if is_chief and saved is not None and "unreadable" not in saved:
+        _recover_as_chief(directory)
+    tf_collectives.wait_for_all_workers(f"tfscale checkpoint recovery: {directory}",
+                                        timeout_seconds)
+    saved = state(directory)
+    if saved is None:
+        return 0
+    if "unreadable" in saved:
+        raise NoIntactCheckpointError(saved["unreadable"])
+    for moved in saved.get("moved_aside", []):
+        logging.warning(
+            "The checkpoint of step %d in %s is corrupt (%s): moved aside to %s "
+            "(kept, not deleted); resuming from the checkpoint of step %d, the "
+            "newest that reads back whole.", moved["step"], directory,
+            moved["error"], moved["to"], saved["step"])
+    return saved["step"]
+
+
+def _recover_as_chief(directory):
+    intact, corrupt = _find_intact(directory)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = []
+    for record, error in corrupt:
+        source = os.path.join(directory, record["checkpoint"])
+        target = f"{CORRUPT_PREFIX}{record['checkpoint']}-{stamp}"
+        if os.path.isdir(source):
+            os.rename(source, os.path.join(directory, target))
+        moved.append({"step": record["step"], "to": target,
+                      "error": _first_line(error)})
+    if not corrupt:
+        return
+    if intact is None:
+        unreadable = (
+            f"No checkpoint in {directory} reads back whole: "
+            + "; ".join(f"step {m['step']} ({m['error']}), moved to {m['to']}"
+                        for m in moved)
+            + ". Start afresh with another --model_dir, or restore a copy.")
+        _write_json(os.path.join(directory, STATE_FILE),
+                    {"step": 0, "checkpoint": None, "unreadable": unreadable})
+        return
+    _write_json(os.path.join(directory, STATE_FILE), {**intact, "moved_aside": moved})
 
 
 def step(model):

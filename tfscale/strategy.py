@@ -18,6 +18,10 @@ Three things separate it from stock MWMS:
   all-reduces once per k micro-batches.
 """
 
+import atexit
+import os
+import sys
+
 from absl import logging
 import keras
 import tensorflow as tf
@@ -334,9 +338,15 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             )
         self._implementation = collectives.implementation.resolve(
             communication.implementation, accessors.local_devices(self)[0])
+        self._flight_recorder = collectives.flight_recorder.FlightRecorder(
+            accessors.local_devices(self)[0], self.worker_index)
+        _report_at_exit(self._flight_recorder)
+        self._algorithm = communication.algorithm or (
+            collectives.implementation.default_algorithm(
+                self._implementation, communication.hybrid_threshold_bytes))
         self._all_reduce = collectives.AllReduce(
             self._topology,
-            algorithm=communication.algorithm,
+            algorithm=self._algorithm,
             fusion_threshold_bytes=communication.fusion_threshold_bytes,
             hybrid_threshold_bytes=communication.hybrid_threshold_bytes,
             # PowerSGD sends float32 factors through this all-reduce.
@@ -346,14 +356,15 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             log_plans=self.is_chief,
             exposed_communication_seconds=self._exposed_communication_seconds,
             implementation=self._implementation,
+            note=self._flight_recorder.context,
         )
         # tfscale's collectives keep the timeout with one thread, not one
-        # per collective.
+        # per collective, and are recorded (the flight recorder).
         self._watchdog = None
         if communication.timeout_seconds is not None:
             self._watchdog = collectives.watchdog.Watchdog(
                 communication.timeout_seconds, accessors.local_devices(self)[0],
-                tf_collectives.abort_collectives)
+                tf_collectives.abort_collectives, recorder=self._flight_recorder)
         self._routed_ops = tf_collectives.install_cross_device_ops(
             self, self._all_reduce, timeout_seconds=None,
             implementation=self._implementation, watch=self._watchdog,
@@ -381,7 +392,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             fn = uneven_data.counting_examples(
                 fn, keras_step=keras_step,
                 model=getattr(fn, "__self__", None) if keras_step else None,
-                on_cpu=self._on_cpu)
+                on_cpu=self._on_cpu, note=self._flight_recorder.context)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -410,11 +421,14 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         """Sums `grads` (of `variables`) over the workers in replica context:
         through PowerSGD under `compression="powersgd"`, else as any dense
         all-reduce."""
-        if self._powersgd is not None:
-            return self._powersgd.all_reduce(
-                list(grads), optimizer, variables, optimizer.iterations)
-        return tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, list(grads))
+        with self._flight_recorder.context(
+                step=optimizer.iterations, purpose="gradients",
+                variable_names=[v.path for v in variables]):
+            if self._powersgd is not None:
+                return self._powersgd.all_reduce(
+                    list(grads), optimizer, variables, optimizer.iterations)
+            return tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, list(grads))
 
     def _sum_over_workers(self, tensors):
         """Sums `tensors` over all workers, fused as any all-reduce, with no
@@ -451,6 +465,20 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         worker (`CommunicationOptions.implementation`, "auto" resolved on the
         worker's device)."""
         return self._implementation
+
+    @property
+    def flight_recorder(self):
+        """The `tfscale.collectives.flight_recorder.FlightRecorder` of this
+        worker's collectives (its `records()`, `report()`); it records while
+        `CommunicationOptions.timeout_seconds` is set (the default)."""
+        return self._flight_recorder
+
+    @property
+    def communication_algorithm(self):
+        """The all-reduce algorithm of this worker's buckets
+        (`CommunicationOptions.algorithm`, None resolved for the
+        implementation: see `collectives.implementation.default_algorithm`)."""
+        return self._algorithm
 
     @property
     def topology(self):
@@ -494,6 +522,30 @@ def _compile_loss_scale_class():
     if isinstance(tf.distribute.get_strategy(), Strategy):
         return optimizers.LossScaleOptimizer
     return keras.optimizers.LossScaleOptimizer
+
+
+_recorders_at_exit = []
+
+
+def _report_at_exit(recorder):
+    """At exit, the newest strategy's recorder reports if collectives were
+    left pending (a failed or hung job), and dumps to TFSCALE_FLIGHT_RECORDER."""
+    if not _recorders_at_exit:
+        atexit.register(_flight_report_at_exit)
+    _recorders_at_exit[:] = [recorder]
+
+
+def _flight_report_at_exit():
+    for recorder in _recorders_at_exit:
+        try:
+            if recorder.pending() and not recorder.reported:
+                print(recorder.report("collectives left pending at exit"),
+                      file=sys.stderr, flush=True)
+            directory = os.environ.get(collectives.flight_recorder.DUMP_ENV)
+            if directory:
+                recorder.dump(directory)
+        except Exception as error:  # at exit: say it, never mask the real failure
+            print(f"tfscale flight recorder: no report ({error})", file=sys.stderr)
 
 
 def _gradient_reducer(strategy):

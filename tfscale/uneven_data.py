@@ -49,6 +49,7 @@ that Keras runs as many steps on each and those that run out first get empty
 batches until the last one is done.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -65,8 +66,9 @@ _local = threading.local()
 class _StepExamples:
     """The examples of this worker's batch in the `strategy.run` under way."""
 
-    def __init__(self, count):
+    def __init__(self, count, note=None):
         self.count = count  # float32 scalar tensor
+        self._note = note
         self._sums = {}  # graph -> (examples, workers without any) on all
 
     def _sum(self):
@@ -75,8 +77,10 @@ class _StepExamples:
         graph = tf.compat.v1.get_default_graph()
         if graph not in self._sums:
             mine = tf.stack([self.count, tf.cast(self.count == 0, tf.float32)])
-            self._sums[graph] = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, mine)
+            with (self._note(purpose="examples per worker") if self._note
+                  else contextlib.nullcontext()):
+                self._sums[graph] = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, mine)
         return self._sums[graph]
 
     def total(self):
@@ -109,7 +113,7 @@ def local_example_count(args, kwargs=None):
     return None
 
 
-def counting_examples(fn, keras_step=None, model=None, on_cpu=True):
+def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None):
     """`fn` (a replica function), counting its batch's examples while it runs.
 
     Args:
@@ -121,6 +125,10 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True):
         model: the Keras model whose step `fn` is (train and test steps).
         on_cpu: whether this worker computes on a CPU, where a custom loop's
             step with an empty batch on some worker is refused.
+        note: `None`, or `fn(**fields)` returning a context manager inside
+            which the step's collectives are traced
+            (`FlightRecorder.context`): told the step (the optimizer's
+            `iterations` of a train step) and what runs.
     """
     if keras_step not in (None, *KERAS_STEPS):
         raise ValueError(f"Argument `keras_step` must be None or one of "
@@ -131,7 +139,7 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True):
         count = local_example_count(args, kwargs)
         if count is None:
             return fn(*args, **kwargs)
-        step = _StepExamples(count)
+        step = _StepExamples(count, note)
         if keras_step is None and on_cpu:
             args, kwargs = _refuse_empty_batches(step, args, kwargs)
         elif keras_step is not None:
@@ -143,8 +151,14 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True):
             before = [tf.identity(v.value) for v in metrics]
         stack = _stack()
         stack.append(step)
+        optimizer = getattr(model, "optimizer", None)
+        described = dict(purpose=f"Keras {keras_step} step" if keras_step
+                         else "strategy.run")
+        if keras_step == "train" and optimizer is not None:
+            described["step"] = optimizer.iterations
         try:
-            outputs = fn(*args, **kwargs)
+            with note(**described) if note else contextlib.nullcontext():
+                outputs = fn(*args, **kwargs)
         finally:
             stack.pop()
         if keras_step in ("train", "test"):

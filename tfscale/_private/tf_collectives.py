@@ -206,10 +206,12 @@ class CollectiveGroup:
             group's own.
         max_subgroup_index: the largest sub-group index (the strategy's key
             range, `take_collective_keys`).
-        watch: `fn(issue, inputs) -> issue()` that runs each collective op
-            (`tfscale.collectives.watchdog.Watchdog`, which keeps the timeout
-            without a thread per op; then give `timeout_seconds=None`);
-            sub-groups take their parent's. `None`: ops run as they are.
+        watch: `fn(issue, inputs, site) -> issue()` that runs each
+            collective op (`tfscale.collectives.watchdog.Watchdog`, which
+            keeps the timeout without a thread per op, and records it; then
+            give `timeout_seconds=None`); `site` describes the op (kind,
+            group key and size, dtype, elements). Sub-groups take their
+            parent's. `None`: ops run as they are.
     """
 
     def __init__(self, launcher, timeout_seconds, key_base=0,
@@ -313,11 +315,17 @@ class CollectiveGroup:
             return self._issue(lambda: collective_ops.all_reduce_v2(
                 tensor, merge_op=merge_op, communication_hint=self.implementation,
                 **self._call_args(),
-            ), [tensor])
+            ), [tensor], "all_reduce" if merge_op == "Add" else f"all_reduce_{merge_op.lower()}")
 
-    def _issue(self, op, inputs):
-        """`op()`, through `watch` if given."""
-        return op() if self._watch is None else self._watch(op, inputs)
+    def _issue(self, op, inputs, kind):
+        """`op()`, through `watch` if given, described as `kind`."""
+        if self._watch is None:
+            return op()
+        site = {"op": kind, "group": int(self.key), "group_size": int(self.size)}
+        if inputs:
+            site.update(dtype=inputs[0].dtype.name,
+                        elements=inputs[0].shape.num_elements())
+        return self._watch(op, inputs, site)
 
     def all_gather(self, tensor):
         """Concatenates every member's `tensor` along axis 0.
@@ -330,7 +338,7 @@ class CollectiveGroup:
             wire, dtype = _as_copyable(tensor)
             gathered = self._issue(lambda: collective_ops.all_gather_v2(
                 wire, communication_hint=self.implementation, **self._call_args()
-            ), [wire])
+            ), [wire], "all_gather")
             return tf.bitcast(gathered, dtype) if wire.dtype != dtype else gathered
 
     def broadcast_send(self, tensor):
@@ -348,7 +356,7 @@ class CollectiveGroup:
             wire, _ = _as_copyable(tensor)
             sent = self._issue(lambda: collective_ops.broadcast_send_v2(
                 wire, communication_hint="auto", **self._call_args(ordered=False)
-            ), [wire])
+            ), [wire], "broadcast_send")
             with tf.control_dependencies([sent]):
                 return tf.identity(tensor)
 
@@ -363,7 +371,7 @@ class CollectiveGroup:
             received = self._issue(lambda: collective_ops.broadcast_recv_v2(
                 shape, wire_dtype, communication_hint="auto",
                 **self._call_args(ordered=False),
-            ), [])
+            ), [], "broadcast_recv")
             return tf.bitcast(received, dtype) if wire_dtype != dtype else received
 
 

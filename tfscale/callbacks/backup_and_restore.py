@@ -83,6 +83,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position = 0  # batches read from `_iterator`
         self._skip_batches = 0  # calls of the resumed epoch left out
         self._skip_reads = 0  # batches to read from the first iterator
+        # The newest checkpoint that reads back whole (corrupt ones moved aside).
+        checkpoint.recover(self.backup_dir, self._is_chief())
         saved = checkpoint.state(self.backup_dir)
         if saved is not None and "position" not in saved:
             raise ValueError(

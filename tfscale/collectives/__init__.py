@@ -14,11 +14,13 @@ Pure tensor functions, and the plan that ties them together for
 - `powersgd`: gradient matrices as low-rank factors, with error feedback.
 - `all_reduce`: `AllReduce` carries a plan out on this worker's groups.
 - `watchdog`: the collective timeout, kept by one thread per worker.
+- `flight_recorder`: this worker's last collectives, to say where a job broke.
 """
 
 from tfscale.collectives import algorithms
 from tfscale.collectives import compression
 from tfscale.collectives import cost_model
+from tfscale.collectives import flight_recorder
 from tfscale.collectives import fusion
 from tfscale.collectives import implementation
 from tfscale.collectives import powersgd

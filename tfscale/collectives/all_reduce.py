@@ -1,6 +1,7 @@
 """`AllReduce`: runs the plan of each list of tensors on this worker's groups."""
 
 
+import contextlib
 import dataclasses
 
 from absl import logging
@@ -77,7 +78,7 @@ def make_groups(world, topology):
     )
 
 
-def fused_all_reduce(tensors, groups, buckets, compression=None):
+def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
     """Sums `tensors` over all workers following a plan.
 
     Args:
@@ -86,6 +87,10 @@ def fused_all_reduce(tensors, groups, buckets, compression=None):
         buckets: `plan(...)` for these tensors.
         compression: as given to `plan` (applied where a bucket's
             `wire_dtype` says so).
+        note: `None`, or `fn(**fields)` returning a context manager inside
+            which each bucket's collectives are traced, told the bucket's
+            number, the bucket count, its algorithm and the `indices` of its
+            tensors in the order given (`FlightRecorder.context`).
 
     Returns:
         The summed tensors, in the order given.
@@ -96,16 +101,20 @@ def fused_all_reduce(tensors, groups, buckets, compression=None):
         return groups.world.all_reduce(value, merge_op="Max")
 
     results = [None] * len(tensors)
-    for bucket in buckets:
-        buffer, shapes = fusion.pack([tensors[i] for i in bucket.indices])
-        wire, context = compression_lib.compress(
-            buffer, compression if bucket.wire_dtype != bucket.dtype else None,
-            num_workers, max_all_reduce,
-        )
-        reduce_buffer = algorithms.BUFFER_ALGORITHMS[bucket.algorithm]
-        reduced = compression_lib.decompress(
-            reduce_buffer(wire, groups, bucket.num_chunks), context
-        )
+    for number, bucket in enumerate(buckets):
+        described = (note(bucket=number, buckets=len(buckets), algorithm=bucket.algorithm,
+                          indices=list(bucket.indices))
+                     if note else contextlib.nullcontext())
+        with described:
+            buffer, shapes = fusion.pack([tensors[i] for i in bucket.indices])
+            wire, context = compression_lib.compress(
+                buffer, compression if bucket.wire_dtype != bucket.dtype else None,
+                num_workers, max_all_reduce,
+            )
+            reduce_buffer = algorithms.BUFFER_ALGORITHMS[bucket.algorithm]
+            reduced = compression_lib.decompress(
+                reduce_buffer(wire, groups, bucket.num_chunks), context
+            )
         for i, tensor in zip(bucket.indices, fusion.unpack(reduced, shapes)):
             results[i] = tensor
     return results
@@ -139,13 +148,16 @@ class AllReduce:
             travels as "float16" (NCCL has no bfloat16) and every bucket goes
             whole (`num_chunks=1`): chunks on one ordering chain cannot
             overlap. See `tfscale.collectives.implementation`.
+        note: `None`, or `fn(**fields)` describing each bucket's collectives
+            (see `fused_all_reduce`; `indices` in the order given to
+            `__call__`).
     """
 
     def __init__(
         self, topology, algorithm, fusion_threshold_bytes,
         hybrid_threshold_bytes=None, compression=None, cost_model=None,
         log_plans=False, exposed_communication_seconds=None,
-        implementation="ring",
+        implementation="ring", note=None,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -167,6 +179,7 @@ class AllReduce:
         self.cost_model = cost_model or cost_model_lib.DEFAULT
         self.log_plans = log_plans
         self.exposed_communication_seconds = exposed_communication_seconds
+        self.note = note
         self._groups = {}
         self._logged = set()
 
@@ -205,9 +218,15 @@ class AllReduce:
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
         self._log(buckets)
+        last = len(tensors) - 1
+
+        def note(indices, **fields):  # indices in the order given to us
+            return self.note(indices=[last - i for i in indices], **fields)
+
         def reduce_fn(backward):
             return fused_all_reduce(
-                backward, self.groups(world), buckets, self.compression
+                backward, self.groups(world), buckets, self.compression,
+                note=note if self.note else None,
             )
 
         if self.exposed_communication_seconds is None:

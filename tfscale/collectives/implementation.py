@@ -73,6 +73,25 @@ def resolve(implementation, device):
     return implementation
 
 
+def default_algorithm(implementation, hybrid_threshold_bytes=None):
+    """The algorithm of `CommunicationOptions(algorithm=None)` on
+    `implementation`.
+
+    Over TensorFlow's ring, "hybrid" (each buffer by the cost model's
+    fastest, or by `hybrid_threshold_bytes`). Over NCCL, "ring": one NCCL
+    all-reduce per fused bucket over the world group, inside which NCCL
+    picks its own ring or tree for the topology: the path every NCCL user
+    runs (Horovod, PyTorch DDP, stock MultiWorkerMirroredStrategy with
+    NCCL). tfscale's sub-group algorithms over NCCL put several
+    communicators on one GPU stream, which no tfscale test has run on a
+    GPU; they stay available by name. A `hybrid_threshold_bytes` asks for
+    "hybrid" on either.
+    """
+    if hybrid_threshold_bytes is not None or implementation != "nccl":
+        return "hybrid"
+    return "ring"
+
+
 def wire_compression(compression, implementation):
     """The compression that runs: NCCL has no bfloat16, so on the NCCL path
     "bfloat16" becomes "float16" (scaled per buffer so that the sum cannot

@@ -112,8 +112,12 @@ class CommunicationOptions:
     The plan (each buffer's size and algorithm) is logged once on the chief.
 
     Args:
-        algorithm: `"hybrid"` (default), `"ring"`, `"hierarchical"`, `"2d"`
-            or `"halving_doubling"`.
+        algorithm: `"hybrid"`, `"ring"`, `"hierarchical"`, `"2d"` or
+            `"halving_doubling"`. `None` (default): `"hybrid"` over
+            TensorFlow's ring, `"ring"` over NCCL (one NCCL all-reduce per
+            buffer over all workers; NCCL picks its ring or tree), the path
+            most run by others until tfscale's own have run on GPUs
+            (`collectives.implementation.default_algorithm`).
         fusion_threshold_bytes: buffer size at which a fused buffer is closed
             and sent; 0 sends each tensor on its own.
         hybrid_threshold_bytes: `"hybrid"` only: bytes on the wire at which a
@@ -178,7 +182,7 @@ class CommunicationOptions:
             tests; `tfscale-bench gpucheck` checks it on your GPUs.
     """
 
-    algorithm: str = "hybrid"
+    algorithm: str | None = None
     fusion_threshold_bytes: int = 32 * _MiB
     hybrid_threshold_bytes: int | None = None
     local_size: int | None = None
@@ -189,10 +193,10 @@ class CommunicationOptions:
     powersgd: PowerSGDOptions | None = None
     implementation: str = "auto"
 
-    # (field, allowed values) of each choice.
+    # (field, allowed values, whether None is allowed) of each choice.
     _CHOICES = (
-        ("implementation", implementation_lib.IMPLEMENTATIONS),
-        ("algorithm", ALGORITHMS),
+        ("implementation", implementation_lib.IMPLEMENTATIONS, False),
+        ("algorithm", ALGORITHMS, True),  # None: the implementation's default
     )
     # (field, rule, check, what None means or None) of each number.
     _NUMBERS = (
@@ -213,10 +217,12 @@ class CommunicationOptions:
     )
 
     def __post_init__(self):
-        for name, allowed in self._CHOICES:
+        for name, allowed, optional in self._CHOICES:
             value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"Argument `{name}` must be one of {list(allowed)}. "
+            if value not in allowed and not (optional and value is None):
+                choices = f"None or one of {list(allowed)}" if optional else (
+                    f"one of {list(allowed)}")
+                raise ValueError(f"Argument `{name}` must be {choices}. "
                                  f"Received: {name}={value!r}")
         implementation_lib.check_implementation(
             self.implementation,
@@ -224,7 +230,7 @@ class CommunicationOptions:
                       if self.implementation == "nccl" else None))
         for name, rule, ok, none_means in self._NUMBERS:
             _check(name, getattr(self, name), rule, ok, none_means)
-        if self.hybrid_threshold_bytes is not None and self.algorithm != "hybrid":
+        if self.hybrid_threshold_bytes is not None and self.algorithm not in (None, "hybrid"):
             raise ValueError(
                 "Argument `hybrid_threshold_bytes` only applies to "
                 f"algorithm='hybrid'; this is algorithm={self.algorithm!r}. "

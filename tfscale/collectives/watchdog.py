@@ -23,10 +23,13 @@ corrupt" and an abort, with 16 workers): `stop_all` stops every watchdog
 first, and the new strategy starts its own.
 """
 
+import sys
 import threading
 import time
 
 import tensorflow as tf
+
+from tfscale._private import accessors
 
 # How often the watchdog thread reads the counters.
 POLL_SECONDS = 1.0
@@ -51,10 +54,14 @@ class Watchdog:
         abort: `fn(message)` that fails every pending and later collective of
             this process with `message` (`tf_collectives.abort_collectives`).
         poll_seconds: how often the counters are read.
+        recorder: a `flight_recorder.FlightRecorder` that records each
+            collective, and reports before the timeout aborts; or None.
     """
 
-    def __init__(self, timeout_seconds, device, abort, poll_seconds=POLL_SECONDS):
+    def __init__(self, timeout_seconds, device, abort, poll_seconds=POLL_SECONDS,
+                 recorder=None):
         self.timeout_seconds = timeout_seconds
+        self.recorder = recorder
         self._abort = abort
         self._poll_seconds = poll_seconds
         with tf.device(device), tf.init_scope():
@@ -69,15 +76,22 @@ class Watchdog:
         self._thread.start()
         _running.append(self)
 
-    def __call__(self, issue, inputs=()):
-        """`issue()` (a collective op), counted: issued once `inputs` are
-        ready, completed once its results are."""
+    def __call__(self, issue, inputs=(), site=None):
+        """`issue()` (a collective op, described by `site`), counted: issued
+        once `inputs` are ready, completed once its results are; and
+        recorded (not inside XLA, which has no `tf.timestamp`)."""
+        recorder = None if accessors.in_xla_context() else self.recorder
         with tf.control_dependencies(list(inputs)):
-            issued = self.issued.assign_add(1)
-        with tf.control_dependencies([issued]):
+            sequence = self.issued.assign_add(1)
+        marks = [sequence]
+        if recorder is not None:
+            marks.append(recorder.issued(sequence, dict(site or {})))
+        with tf.control_dependencies(marks):
             result = issue()
         with tf.control_dependencies(tf.nest.flatten(result)):
             self.completed.assign_add(1)
+            if recorder is not None:
+                recorder.completed(sequence)
         return result
 
     def pending(self):
@@ -100,6 +114,9 @@ class Watchdog:
                 last_completed, since = completed, now
                 continue
             if now - since >= self.timeout_seconds:
+                if self.recorder is not None:
+                    print(self.recorder.report("the collective timeout"),
+                          file=sys.stderr, flush=True)
                 self.aborted_with = (
                     f"tfscale: {pending} collective(s) of this worker waited "
                     f"{self.timeout_seconds:g} s for the other workers with none "

@@ -1,0 +1,82 @@
+"""The flight recorder (tfscale.collectives.flight_recorder): on real
+workers that go wrong, each waiting worker reports the step and bucket it
+waits in, and tfscale-launch names the worker behind."""
+
+import json
+import re
+
+import pytest
+
+from multiworker import run_workers
+from tfscale import flight_report
+
+# The first collective of a step: the examples of each worker's batch.
+COUNTS = "examples per worker (ring; float32 x 2), all_reduce on group 1 of {} workers"
+
+
+@pytest.mark.multiworker
+def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
+    dumps = tmp_path / "flight"
+    run = run_workers("flight_worker.py", 3, tmp_path, args=["stop"], timeout=240,
+                      env={"TFSCALE_FLIGHT_RECORDER": str(dumps)})
+    assert run.returncode != 0
+    for worker in (0, 2):
+        lines = [l for l in run.output.splitlines() if l.startswith(f"[worker {worker}] ")]
+        text = "\n".join(lines)
+        assert "tfscale flight recorder, worker" in text, run.output[-5000:]
+        assert re.search(r"waits [0-9.]+ s in step 3, " + re.escape(COUNTS.format(3)),
+                         text), text[-3000:]
+        assert re.search(r"last completed [0-9.]+ s ago: ", text), text[-3000:]
+        # TFSCALE_FLIGHT_RECORDER: every record, as JSON.
+        records = json.loads((dumps / f"worker-{worker}.json").read_text())["records"]
+        gradients = [r for r in records if r.get("purpose") == "gradients"]
+        assert {r["step"] for r in gradients} == {0, 1, 2}, gradients
+        # A bucket per tensor (no fusion), the last layer's first, named.
+        assert {(r["bucket"], r["buckets"]) for r in gradients} == {
+            (b, 4) for b in range(4)}
+        variables = {r["bucket"]: r["variables"] for r in gradients}
+        assert variables == {0: "sequential/dense_1/bias", 1: "sequential/dense_1/kernel",
+                             2: "sequential/dense/bias", 3: "sequential/dense/kernel"}
+        assert all(r["completed"] >= r["issued"] for r in gradients)
+        assert [r["step"] for r in records if r["completed"] is None] == [3]
+    summary = [l for l in run.output.splitlines()
+               if l.startswith("tfscale-launch: flight recorder: ")]
+    assert summary, run.output[-5000:]
+    assert ("workers 0, 2 wait in step 3 (examples per worker) (ring, float32 x 2)"
+            in summary[0]
+            and "worker 1 sent no report" in summary[0]), summary
+
+
+@pytest.mark.multiworker
+def test_a_worker_one_step_ahead_is_named_at_that_step(tmp_path):
+    run = run_workers("flight_worker.py", 2, tmp_path, args=["extra_step"], timeout=240)
+    assert run.returncode != 0
+    text = "\n".join(l for l in run.output.splitlines() if l.startswith("[worker 0] "))
+    assert re.search(r"waits [0-9.]+ s in step 4, " + re.escape(COUNTS.format(2)),
+                     text), run.output[-5000:]
+    (summary,) = [l for l in run.output.splitlines()
+                  if l.startswith("tfscale-launch: flight recorder: ")]
+    assert "worker 0 waits in step 4 (examples per worker)" in summary, summary
+    # Worker 1 ended its fit: it finished, or waits outside any step.
+    assert ("worker 1 finished (exit 0)" in summary
+            or "worker 1 waits in outside a training step" in summary), summary
+
+
+def test_the_summary_names_who_waits_and_who_is_behind():
+    waiting = {"step": 7, "purpose": "gradients", "bucket": 3, "buckets": 4,
+               "algorithm": "ring", "dtype": "float32", "elements": 4754}
+    done = {"step": 7, "purpose": "gradients", "bucket": 0, "buckets": 4}
+    positions = {0: {"pending": waiting}, 1: {"pending": waiting},
+                 2: {"pending": None, "completed": done}}
+    assert flight_report.summarize(positions, 5, finished={3}) == (
+        "workers 0, 1 wait in step 7 (gradient bucket 3 of 4) (ring, float32 x 4754); "
+        "worker 2 is at step 7 (gradient bucket 0 of 4) (last completed, nothing "
+        "pending); worker 3 finished (exit 0); worker 4 sent no report (stopped, "
+        "killed or hung outside a collective)")
+    assert flight_report.describe(dict(waiting, op="all_reduce", group=1, group_size=3,
+                                       variables="d/kernel .. d/bias")) == (
+        "step 7, gradient bucket 3 of 4 (ring; float32 x 4754; variables d/kernel .. "
+        "d/bias), all_reduce on group 1 of 3 workers")
+    line = "[worker 1] " + flight_report.LINE_PREFIX + '{"worker": 1, "pending": null}'
+    assert flight_report.parse(line) == {"worker": 1, "pending": None}
+    assert flight_report.parse("tfscale-flight {not json") is None

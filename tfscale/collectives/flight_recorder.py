@@ -1,0 +1,181 @@
+"""The flight recorder: this worker's last collectives, to say where a job broke.
+
+A job that hangs or dies inside a collective shows TensorFlow's words for it
+("Shape mismatch in the collective instance 113", "The following tasks are
+unhealthy"): an instance number that names nothing the user wrote. So every
+collective tfscale issues (through the watchdog, `watchdog.Watchdog`) also
+writes one row of a ring buffer kept in a variable on this worker: which call
+site it is, the training step, when it was issued and when it completed. A
+call site is described once, when the step is traced: the op, its group, its
+dtype and size, and what tfscale was doing around it (the bucket, its
+algorithm, the variables whose gradients it carries), given by `context`.
+
+When a job fails with collectives pending (at exit, or when the watchdog's
+timeout fires), `report` prints a few lines per worker: what it waits for
+and what it last completed, then one `tfscale-flight {json}` line that
+tfscale-launch gathers from every worker to name the one(s) behind
+(`tfscale.flight_report.summarize`). `TFSCALE_FLIGHT_RECORDER=DIR` writes each worker's records
+to DIR/worker-I.json at exit.
+
+After PyTorch's flight recorder (torch/csrc/distributed/c10d/
+FlightRecorder.hpp: a ring buffer of the last collectives per rank, dumped
+on a timeout) and Horovod's stall inspector (horovod/common/
+stall_inspector.cc: which ranks have not submitted a tensor the others wait
+on). Its cost per step: BENCHMARKS.md.
+"""
+
+import contextlib
+import json
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfscale.flight_report import LINE_PREFIX
+from tfscale.flight_report import describe
+
+# Rows kept: the last CAPACITY collectives of this worker.
+CAPACITY = 512
+DUMP_ENV = "TFSCALE_FLIGHT_RECORDER"
+# Columns of a row.
+_SITE, _STEP, _SEQUENCE, _ISSUED, _COMPLETED = range(5)
+
+
+class FlightRecorder:
+    """Records this worker's collectives (see the module).
+
+    Args:
+        device: this worker's device, where the rows live.
+        worker: this worker's index (in reports).
+        capacity: rows kept.
+    """
+
+    def __init__(self, device, worker, capacity=CAPACITY):
+        self.worker = worker
+        self.capacity = capacity
+        self.sites = []  # descriptions of the call sites, by site id
+        # Not per thread: a replica's function sets it, and its all-reduce
+        # is traced in the strategy's thread (`merge_call`) meanwhile.
+        self._contexts = []
+        with tf.device(device), tf.init_scope():
+            self.rows = tf.Variable(tf.fill([capacity, 5], tf.constant(-1.0, tf.float64)),
+                                    trainable=False, name="flight_recorder")
+        self.reported = False
+
+    @contextlib.contextmanager
+    def context(self, **fields):
+        """Describes the collectives traced inside it (`step`: a scalar tensor,
+        the training step, recorded when each runs; the rest: descriptions)."""
+        stack = self._stack()
+        stack.append(fields)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _stack(self):
+        return self._contexts
+
+    def site(self, description):
+        """(site id, step tensor or None) of a collective traced now."""
+        merged, step = {}, None
+        for fields in self._stack():
+            for name, value in fields.items():
+                if name == "step":
+                    step = value
+                else:
+                    merged[name] = value
+        merged.update(description)
+        self.sites.append(_describe_variables(merged))
+        return len(self.sites) - 1, step
+
+    def issued(self, sequence, description):
+        """The op writing the row of collective number `sequence` (1, 2, ...)."""
+        site, step = self.site(description)
+        step = tf.constant(-1.0, tf.float64) if step is None else tf.cast(step, tf.float64)
+        slot = tf.math.floormod(sequence - 1, self.capacity)
+        row = tf.stack([tf.constant(float(site), tf.float64), step,
+                        tf.cast(sequence, tf.float64), tf.timestamp(),
+                        tf.constant(-1.0, tf.float64)])
+        return self.rows.scatter_nd_update(tf.reshape(slot, [1, 1]), row[None])
+
+    def completed(self, sequence):
+        """The op stamping collective number `sequence` completed."""
+        slot = tf.math.floormod(sequence - 1, self.capacity)
+        index = tf.stack([slot, tf.constant(_COMPLETED, slot.dtype)])
+        return self.rows.scatter_nd_update(index[None], tf.timestamp()[None])
+
+    def records(self):
+        """This worker's recorded collectives, oldest first: dicts of the
+        site's description and `step`, `sequence`, `issued`, `completed`
+        (Unix seconds; `completed` None while pending)."""
+        rows = self.rows.numpy()
+        rows = rows[rows[:, _SEQUENCE] >= 0]
+        result = []
+        for row in rows[np.argsort(rows[:, _SEQUENCE])]:
+            site = int(row[_SITE])
+            record = dict(self.sites[site]) if site < len(self.sites) else {}
+            record.update(
+                sequence=int(row[_SEQUENCE]),
+                step=int(row[_STEP]) if row[_STEP] >= 0 else None,
+                issued=float(row[_ISSUED]),
+                completed=float(row[_COMPLETED]) if row[_COMPLETED] >= 0 else None)
+            result.append(record)
+        return result
+
+    def position(self):
+        """{"pending": the oldest pending record, "completed": the newest
+        completed one} (each None when there is none)."""
+        records = self.records()
+        pending = [r for r in records if r["completed"] is None]
+        completed = [r for r in records if r["completed"] is not None]
+        return {"worker": self.worker,
+                "pending": pending[0] if pending else None,
+                "completed": completed[-1] if completed else None}
+
+    def report(self, why=None):
+        """The lines saying where this worker is (see the module)."""
+        self.reported = True
+        now = time.time()
+        position = self.position()
+        lines = [f"tfscale flight recorder, worker {self.worker}"
+                 + (f" ({why})" if why else "") + ":"]
+        if position["pending"]:
+            pending = position["pending"]
+            lines.append(f"  waits {now - pending['issued']:.1f} s in "
+                         f"{describe(pending)}")
+        if position["completed"]:
+            completed = position["completed"]
+            lines.append(f"  last completed {now - completed['completed']:.1f} s ago: "
+                         f"{describe(completed)}")
+        if len(lines) == 1:
+            lines.append("  no collective recorded")
+        lines.append(LINE_PREFIX + json.dumps(position, default=str))
+        return "\n".join(lines)
+
+    def pending(self):
+        """Whether some recorded collective never completed."""
+        return any(r["completed"] is None for r in self.records())
+
+    def dump(self, directory):
+        """Writes the records to `directory`/worker-I.json."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"worker-{self.worker}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"worker": self.worker, "records": self.records()}, f,
+                      default=str, indent=1)
+        os.replace(path + ".tmp", path)
+        return path
+
+
+def _describe_variables(description):
+    """Keeps the first and last variable names of a bucket, not all."""
+    names = description.pop("variable_names", None)
+    indices = description.pop("indices", None)
+    if names and indices:
+        picked = [names[i] for i in indices if i < len(names)]
+        if picked:
+            description["variables"] = (picked[0] if len(picked) == 1
+                                        else f"{picked[0]} .. {picked[-1]}")
+    return description

@@ -1,0 +1,87 @@
+"""The flight recorder's reports in words, and tfscale-launch's summary of
+every worker's (see `tfscale.collectives.flight_recorder`).
+
+Without TensorFlow: tfscale-launch reads the workers' `tfscale-flight` lines
+and says which worker is behind, and it stays a small process.
+"""
+
+import json
+
+# The line tfscale-launch gathers from each worker's output.
+LINE_PREFIX = "tfscale-flight "
+
+
+def _what(record):
+    """A gradient bucket, or what else the collective was for."""
+    if record.get("purpose") == "gradients" and record.get("bucket") is not None:
+        return f"gradient bucket {record['bucket']} of {record['buckets']}"
+    return record.get("purpose") or record.get("op", "collective")
+
+
+def describe(record):
+    """One record in words: "step 7, gradient bucket 3 of 4 (ring; float32
+    x 4754; variables a .. b), all_reduce on group 1 of 3 workers"."""
+    where = (f"step {record['step']}" if record.get("step") is not None
+             else "outside a training step")
+    details = [d for d in (record.get("algorithm"),
+                           f"{record.get('dtype')} x {record.get('elements')}"
+                           if record.get("dtype") else None,
+                           f"variables {record['variables']}"
+                           if record.get("variables") else None) if d]
+    group = (f", {record['op']} on group {record['group']} of "
+             f"{record['group_size']} workers" if "group" in record else "")
+    return (f"{where}, {_what(record)}" + (f" ({'; '.join(details)})" if details else "")
+            + group)
+
+
+def parse(line):
+    """The position a worker's `tfscale-flight` line holds, or None."""
+    at = line.find(LINE_PREFIX)
+    if at < 0:
+        return None
+    try:
+        return json.loads(line[at + len(LINE_PREFIX):])
+    except ValueError:
+        return None
+
+
+def _short(record):
+    if record is None:
+        return "no collective yet"
+    where = (f"step {record['step']}" if record.get("step") is not None
+             else "outside a training step")
+    return f"{where} ({_what(record)})"
+
+
+def summarize(positions, num_workers, finished=()):
+    """Names the worker(s) behind from every worker's position (`parse`):
+    "workers 0, 2 wait in step 7 bucket 3 (ring, float32 x 4754); worker 1
+    is at step 7 bucket 0 (last completed)" or "... sent no report".
+    `finished`: indices of workers that exited successfully.
+    """
+    waiting = {}
+    others = []
+    for index in range(num_workers):
+        position = positions.get(index)
+        if position is None and index in finished:
+            others.append(f"worker {index} finished (exit 0)")
+        elif position is None:
+            others.append(f"worker {index} sent no report (stopped, killed or hung "
+                          "outside a collective)")
+        elif position.get("pending"):
+            pending = position["pending"]
+            detail = ", ".join(d for d in (
+                pending.get("algorithm"),
+                f"{pending.get('dtype')} x {pending.get('elements')}"
+                if pending.get("dtype") else None) if d)
+            key = _short(pending) + (f" ({detail})" if detail else "")
+            waiting.setdefault(key, []).append(index)
+        else:
+            others.append(f"worker {index} is at {_short(position.get('completed'))} "
+                          "(last completed, nothing pending)")
+    parts = []
+    for where, workers in waiting.items():
+        who = (f"worker {workers[0]} waits" if len(workers) == 1 else
+               f"workers {', '.join(map(str, workers))} wait")
+        parts.append(f"{who} in {where}")
+    return "; ".join(parts + others)
