@@ -193,3 +193,12 @@ def test_a_full_disk_is_named_with_the_bytes_needed_and_the_last_good_one_kept(t
         assert checkpoint.recover(str(disk), is_chief=True) == 4
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_missing_newest_checkpoint_resumes_from_the_one_before(tmp_path, caplog):
+    saved_steps(compiled_model(0), tmp_path, (4, 8))
+    shutil.rmtree(tmp_path / "step-000000008")  # deleted by hand, state.json not
+    with caplog.at_level("WARNING"):
+        assert checkpoint.recover(str(tmp_path), is_chief=True) == 4
+    assert "moved aside to nowhere (step-000000008 is missing)" in caplog.text
+    assert checkpoint.latest(str(tmp_path))[0] == 4

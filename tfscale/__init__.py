@@ -47,10 +47,15 @@ def _load_all():
 
 
 def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'tfscale' has no attribute {name!r}")
-    _load_all()
-    return globals()[name]
+    # Any name loads everything: the public names, and the submodules they
+    # import (`tfscale.strategy`, `tfscale.collectives`, ...), as an eager
+    # `__init__` would have.
+    if "_loaded" not in globals():
+        _load_all()
+        globals()["_loaded"] = True
+    if name in globals():
+        return globals()[name]
+    raise AttributeError(f"module 'tfscale' has no attribute {name!r}")
 
 
 def __dir__():

@@ -51,6 +51,7 @@ _KEEP = 2  # checkpoints kept: the newest one and the one before it
 # Seconds a worker waits at the barrier after writing its own state.
 _BARRIER_SECONDS = 3600
 _worker_state_saves = itertools.count()  # every worker saves in the same order
+_recoveries = itertools.count()  # every worker recovers in the same order
 
 
 def _trackable_state(model):
@@ -350,8 +351,9 @@ def recover(directory, is_chief, timeout_seconds=_BARRIER_SECONDS):
     saved = state(directory)
     if is_chief and saved is not None and "unreadable" not in saved:
         _recover_as_chief(directory)
-    tf_collectives.wait_for_all_workers(f"tfscale checkpoint recovery: {directory}",
-                                        timeout_seconds)
+    # Not named by `directory`: each worker may mount the storage elsewhere.
+    tf_collectives.wait_for_all_workers(
+        f"tfscale checkpoint recovery {next(_recoveries)}", timeout_seconds)
     saved = state(directory)
     if saved is None:
         return 0
@@ -375,6 +377,8 @@ def _recover_as_chief(directory):
         target = f"{CORRUPT_PREFIX}{record['checkpoint']}-{stamp}"
         if os.path.isdir(source):
             os.rename(source, os.path.join(directory, target))
+        else:  # nothing to move: its directory is gone
+            target = f"nowhere ({record['checkpoint']} is missing)"
         moved.append({"step": record["step"], "to": target,
                       "error": _first_line(error)})
     if not corrupt:
