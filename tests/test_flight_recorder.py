@@ -26,7 +26,7 @@ def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
         assert "tfscale flight recorder, worker" in text, run.output[-5000:]
         assert re.search(r"waits [0-9.]+ s in step 3, " + re.escape(COUNTS.format(3)),
                          text), text[-3000:]
-        assert re.search(r"last completed [0-9.]+ s ago: ", text), text[-3000:]
+        assert "  last completed: " in text, text[-3000:]
         # TFSCALE_FLIGHT_RECORDER: every record, as JSON.
         records = json.loads((dumps / f"worker-{worker}.json").read_text())["records"]
         gradients = [r for r in records if r.get("purpose") == "gradients"]
@@ -37,8 +37,8 @@ def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
         variables = {r["bucket"]: r["variables"] for r in gradients}
         assert variables == {0: "sequential/dense_1/bias", 1: "sequential/dense_1/kernel",
                              2: "sequential/dense/bias", 3: "sequential/dense/kernel"}
-        assert all(r["completed"] >= r["issued"] for r in gradients)
-        assert [r["step"] for r in records if r["completed"] is None] == [3]
+        assert all(r["completed"] for r in gradients)
+        assert [r["step"] for r in records if not r["completed"]] == [3]
     summary = [l for l in run.output.splitlines()
                if l.startswith("tfscale-launch: flight recorder: ")]
     assert summary, run.output[-5000:]

@@ -47,14 +47,16 @@ def _load_all():
 
 
 def __getattr__(name):
-    # Any name loads everything: the public names, and the submodules they
-    # import (`tfscale.strategy`, `tfscale.collectives`, ...), as an eager
-    # `__init__` would have.
-    if "_loaded" not in globals():
+    if name in _NAMES:  # a public name loads them all (see the module)
         _load_all()
-        globals()["_loaded"] = True
-    if name in globals():
         return globals()[name]
+    # A submodule used as an attribute (`tfscale.strategy.X` after `import
+    # tfscale`; `from tfscale import flight_report`): that one alone.
+    try:
+        return importlib.import_module(f"tfscale.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"tfscale.{name}":
+            raise
     raise AttributeError(f"module 'tfscale' has no attribute {name!r}")
 
 

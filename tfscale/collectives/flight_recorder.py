@@ -5,7 +5,11 @@ A job that hangs or dies inside a collective shows TensorFlow's words for it
 unhealthy"): an instance number that names nothing the user wrote. So every
 collective tfscale issues (through the watchdog, `watchdog.Watchdog`) also
 writes one row of a ring buffer kept in a variable on this worker: which call
-site it is, the training step, when it was issued and when it completed. A
+site it is, the training step, when it was issued, and whether it completed.
+(Not when: a `tf.timestamp` after each collective's result cost the overlap of
+the gradient buckets with backprop, measured by
+tests/test_collectives.py::test_bucket_all_reduces_overlap_backprop, 0 ms
+instead of 90-470 ms.) A
 call site is described once, when the step is traced: the op, its group, its
 dtype and size, and what tfscale was doing around it (the bucket, its
 algorithm, the variables whose gradients it carries), given by `context`.
@@ -38,8 +42,8 @@ from tfscale.flight_report import describe
 # Rows kept: the last CAPACITY collectives of this worker.
 CAPACITY = 512
 DUMP_ENV = "TFSCALE_FLIGHT_RECORDER"
-# Columns of a row.
-_SITE, _STEP, _SEQUENCE, _ISSUED, _COMPLETED = range(5)
+# Columns of a row of `rows` (completion times are kept apart, see __init__).
+_SITE, _STEP, _SEQUENCE, _ISSUED = range(4)
 
 
 class FlightRecorder:
@@ -58,9 +62,17 @@ class FlightRecorder:
         # Not per thread: a replica's function sets it, and its all-reduce
         # is traced in the strategy's thread (`merge_call`) meanwhile.
         self._contexts = []
+        # Two variables: tf.function orders the writes to one resource in
+        # program order, so a collective's issue row written into the same
+        # variable as the previous one's completion would wait for it, and
+        # buckets could no longer overlap. `completed_at` holds the sequence
+        # number of the collective that last completed in each slot.
         with tf.device(device), tf.init_scope():
-            self.rows = tf.Variable(tf.fill([capacity, 5], tf.constant(-1.0, tf.float64)),
-                                    trainable=False, name="flight_recorder")
+            self.rows = tf.Variable(tf.fill([capacity, 4], tf.constant(-1.0, tf.float64)),
+                                    trainable=False, name="flight_recorder_issued")
+            self.completed_at = tf.Variable(
+                tf.fill([capacity], tf.constant(-1.0, tf.float64)), trainable=False,
+                name="flight_recorder_completed")
         self.reported = False
 
     @contextlib.contextmanager
@@ -96,21 +108,23 @@ class FlightRecorder:
         step = tf.constant(-1.0, tf.float64) if step is None else tf.cast(step, tf.float64)
         slot = tf.math.floormod(sequence - 1, self.capacity)
         row = tf.stack([tf.constant(float(site), tf.float64), step,
-                        tf.cast(sequence, tf.float64), tf.timestamp(),
-                        tf.constant(-1.0, tf.float64)])
+                        tf.cast(sequence, tf.float64), tf.timestamp()])
+        # The slot's completion mark stays an older collective's until this
+        # one completes (`records` compares the sequence numbers).
         return self.rows.scatter_nd_update(tf.reshape(slot, [1, 1]), row[None])
 
     def completed(self, sequence):
-        """The op stamping collective number `sequence` completed."""
+        """The op marking collective number `sequence` completed."""
         slot = tf.math.floormod(sequence - 1, self.capacity)
-        index = tf.stack([slot, tf.constant(_COMPLETED, slot.dtype)])
-        return self.rows.scatter_nd_update(index[None], tf.timestamp()[None])
+        return self.completed_at.scatter_nd_update(
+            tf.reshape(slot, [1, 1]), tf.cast(sequence, tf.float64)[None])
 
     def records(self):
         """This worker's recorded collectives, oldest first: dicts of the
-        site's description and `step`, `sequence`, `issued`, `completed`
-        (Unix seconds; `completed` None while pending)."""
-        rows = self.rows.numpy()
+        site's description and `step`, `sequence`, `issued` (Unix seconds)
+        and `completed` (True or False)."""
+        rows = np.concatenate([self.rows.numpy(), self.completed_at.numpy()[:, None]],
+                              axis=1)
         rows = rows[rows[:, _SEQUENCE] >= 0]
         result = []
         for row in rows[np.argsort(rows[:, _SEQUENCE])]:
@@ -120,7 +134,7 @@ class FlightRecorder:
                 sequence=int(row[_SEQUENCE]),
                 step=int(row[_STEP]) if row[_STEP] >= 0 else None,
                 issued=float(row[_ISSUED]),
-                completed=float(row[_COMPLETED]) if row[_COMPLETED] >= 0 else None)
+                completed=bool(row[-1] == row[_SEQUENCE]))
             result.append(record)
         return result
 
@@ -128,8 +142,8 @@ class FlightRecorder:
         """{"pending": the oldest pending record, "completed": the newest
         completed one} (each None when there is none)."""
         records = self.records()
-        pending = [r for r in records if r["completed"] is None]
-        completed = [r for r in records if r["completed"] is not None]
+        pending = [r for r in records if not r["completed"]]
+        completed = [r for r in records if r["completed"]]
         return {"worker": self.worker,
                 "pending": pending[0] if pending else None,
                 "completed": completed[-1] if completed else None}
@@ -147,8 +161,7 @@ class FlightRecorder:
                          f"{describe(pending)}")
         if position["completed"]:
             completed = position["completed"]
-            lines.append(f"  last completed {now - completed['completed']:.1f} s ago: "
-                         f"{describe(completed)}")
+            lines.append(f"  last completed: {describe(completed)}")
         if len(lines) == 1:
             lines.append("  no collective recorded")
         lines.append(LINE_PREFIX + json.dumps(position, default=str))
@@ -156,7 +169,7 @@ class FlightRecorder:
 
     def pending(self):
         """Whether some recorded collective never completed."""
-        return any(r["completed"] is None for r in self.records())
+        return not all(r["completed"] for r in self.records())
 
     def dump(self, directory):
         """Writes the records to `directory`/worker-I.json."""
