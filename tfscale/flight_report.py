@@ -18,20 +18,27 @@ def _what(record):
     return record.get("purpose") or record.get("op", "collective")
 
 
+def _where(record):
+    return (f"step {record['step']}" if record.get("step") is not None
+            else "outside a training step")
+
+
+def _sizes(record):
+    """Its algorithm and "dtype x elements", those it has."""
+    return [d for d in (record.get("algorithm"),
+                        f"{record.get('dtype')} x {record.get('elements')}"
+                        if record.get("dtype") else None) if d]
+
+
 def describe(record):
     """One record in words: "step 7, gradient bucket 3 of 4 (ring; float32
     x 4754; variables a .. b), all_reduce on group 1 of 3 workers"."""
-    where = (f"step {record['step']}" if record.get("step") is not None
-             else "outside a training step")
-    details = [d for d in (record.get("algorithm"),
-                           f"{record.get('dtype')} x {record.get('elements')}"
-                           if record.get("dtype") else None,
-                           f"variables {record['variables']}"
-                           if record.get("variables") else None) if d]
+    details = _sizes(record) + (
+        [f"variables {record['variables']}"] if record.get("variables") else [])
     group = (f", {record['op']} on group {record['group']} of "
              f"{record['group_size']} workers" if "group" in record else "")
-    return (f"{where}, {_what(record)}" + (f" ({'; '.join(details)})" if details else "")
-            + group)
+    return (f"{_where(record)}, {_what(record)}"
+            + (f" ({'; '.join(details)})" if details else "") + group)
 
 
 def parse(line):
@@ -48,9 +55,7 @@ def parse(line):
 def _short(record):
     if record is None:
         return "no collective yet"
-    where = (f"step {record['step']}" if record.get("step") is not None
-             else "outside a training step")
-    return f"{where} ({_what(record)})"
+    return f"{_where(record)} ({_what(record)})"
 
 
 def summarize(positions, num_workers, finished=()):
@@ -70,10 +75,7 @@ def summarize(positions, num_workers, finished=()):
                           "outside a collective)")
         elif position.get("pending"):
             pending = position["pending"]
-            detail = ", ".join(d for d in (
-                pending.get("algorithm"),
-                f"{pending.get('dtype')} x {pending.get('elements')}"
-                if pending.get("dtype") else None) if d)
+            detail = ", ".join(_sizes(pending))
             key = _short(pending) + (f" ({detail})" if detail else "")
             waiting.setdefault(key, []).append(index)
         else:
