@@ -37,10 +37,15 @@ tfscale-train resumes from the newest checkpoint. Each worker has a slot, a
 stable identity kept across restarts. With `--min_workers=M`, a slot that
 fails again within `--restart_window` seconds of a restart is dropped and
 the job goes on with one worker fewer, down to M workers (the global batch
-must be divisible by every worker count it may run with). Ctrl-C or SIGTERM
-stops every worker and restarts nothing. The exit code is 0 when the last
-launch succeeds, otherwise that of its failure (1 for a killed worker), 124
-on `--timeout` and 130 when interrupted. With `--emulate_nodes`, restarts
+must be divisible by every worker count it may run with). A worker that
+exits with 143 was preempted (a SIGTERM: every worker saved the same step,
+`tfscale.preemption`): the launcher gives the others `--grace_seconds` to
+exit too, and relaunches it as any failure but never drops its slot for it.
+Ctrl-C or SIGTERM stops every worker (SIGTERM, then SIGKILL after
+`--grace_seconds`: time for tfscale-train to save) and restarts nothing.
+The exit code is 0 when the last launch succeeds, otherwise that of its
+failure (1 for a killed worker), 124 on `--timeout`, 130 after Ctrl-C and
+143 after SIGTERM. With `--emulate_nodes`, restarts
 reuse the emulated nodes on fresh ports; no slot can be dropped there (every
 node runs as many workers). See launch/restarts.py.
 
@@ -308,23 +313,26 @@ class Workers:
         return flight_report.summarize(self.flight_positions, len(self.processes),
                                          finished=finished)
 
+    def wait(self, seconds):
+        """Waits up to `seconds` for every worker to exit by itself."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(
+                p.poll() is None for p in self.processes):
+            time.sleep(_POLL_SECONDS)
+
     def all_succeeded(self):
         return all(p.poll() == 0 for p in self.processes)
 
     def stop(self, grace_seconds):
         """SIGTERM every live worker's process group, SIGKILL after grace."""
         for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5)):
-            live = [p for p in self.processes if p.poll() is None]
-            for process in live:
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(
-                p.poll() is None for p in live
-            ):
-                time.sleep(_POLL_SECONDS)
+            for process in self.processes:
+                if process.poll() is None:
+                    try:
+                        os.killpg(process.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            self.wait(wait)
         # Workers are gone; reap what their process groups left behind too.
         for process in self.processes:
             try:
@@ -422,16 +430,24 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _interrupted_code(interrupt):
+    """128 + the signal's number, as shells report it: 130 for Ctrl-C, 143
+    for SIGTERM (a preemption: the workers, sent SIGTERM in turn, saved the
+    step they agreed on within --grace_seconds; `tfscale.preemption`)."""
+    return 128 + (signal.SIGTERM if str(interrupt) == "SIGTERM" else signal.SIGINT)
+
+
 def _with_signals_as_interrupts(run):
     """`run()` with SIGTERM raising KeyboardInterrupt, as Ctrl-C does; an
-    interrupt between launches (no worker running) returns 130."""
+    interrupt between launches (no worker running) returns 130 (143 for
+    SIGTERM)."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return run()
     except KeyboardInterrupt as interrupt:
         print(f"tfscale-launch: interrupted ({str(interrupt) or 'SIGINT'}); "
               "stopped every worker.", file=sys.stderr)
-        return 130
+        return _interrupted_code(interrupt)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -554,7 +570,7 @@ def _supervise_in(cluster, announce, policy, launch_slots, timeout, start):
     except KeyboardInterrupt as interrupt:  # while making or removing namespaces
         print(f"tfscale-launch: interrupted ({str(interrupt) or 'SIGINT'}); "
               "no network namespace is left.", file=sys.stderr)
-        return 130
+        return _interrupted_code(interrupt)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -604,6 +620,9 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
             if failure is not None:
                 index, code = failure
                 seconds = time.monotonic() - launched
+                if code == restarts.PREEMPTED_EXIT_CODE:
+                    # The others saved the same step and are leaving too.
+                    workers.wait(grace_seconds)
                 workers.stop(grace_seconds)  # also reads the rest of their output
                 summary = workers.flight_summary()
                 if summary:
@@ -632,7 +651,7 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
             "stopped every worker.",
             file=sys.stderr,
         )
-        return 130
+        return _interrupted_code(interrupt)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

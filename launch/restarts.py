@@ -21,6 +21,10 @@ import dataclasses
 import signal
 
 DEFAULT_RESTART_WINDOW = 60.0
+# A worker's code after saving the step all workers agreed on, on a SIGTERM
+# (`tfscale.preemption.PREEMPTED_EXIT_CODE`; not imported: that loads
+# TensorFlow, which the launcher never does).
+PREEMPTED_EXIT_CODE = 143
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,12 @@ class WorkerFailure:
     seconds: float
 
     @property
+    def preempted(self):
+        """Whether the worker exited after saving the step every worker
+        agreed on, on a SIGTERM (`tfscale.preemption`)."""
+        return self.code == PREEMPTED_EXIT_CODE
+
+    @property
     def exit_code(self):
         """The launcher's exit code for this failure."""
         return self.code if self.code > 0 else 1
@@ -55,6 +65,9 @@ class WorkerFailure:
                 how = f"was killed by {signal.Signals(-self.code).name}"
             except ValueError:
                 how = f"was killed by signal {-self.code}"
+        elif self.preempted:
+            how = (f"was preempted (exit code {self.code}: a SIGTERM, after "
+                   "every worker saved the same step)")
         else:
             how = f"exited with code {self.code}"
         return f"{who} {how}"
@@ -115,13 +128,15 @@ class RestartPolicy:
         """The `Decision` after `failure`; updates `slots` and `restarts`."""
         head = f"{failure.describe()}; stopped the other workers"
         failed_before = failure.slot in self._failed
-        self._failed.add(failure.slot)
+        if not failure.preempted:  # a preempted machine is not a broken one
+            self._failed.add(failure.slot)
         if self.restarts >= self.max_restarts:
             if self.max_restarts == 0:
                 return Decision(False, None, head + ".")
             return Decision(False, None, f"{head}; no restart left "
                             f"(--max_restarts={self.max_restarts}).")
         again = (self._shrinks and self.restarts > 0 and failed_before
+                 and not failure.preempted
                  and failure.seconds < self.restart_window)
         why = (f"failed again {failure.seconds:.3g} s after restart "
                f"{self.restarts}")

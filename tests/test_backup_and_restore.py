@@ -4,6 +4,8 @@ of a fit never interrupted (the 2-worker kill test is in
 tests/reliability/test_backup_and_restore_killed.py)."""
 
 import json
+import os
+import signal
 import sys
 
 import keras
@@ -14,6 +16,7 @@ import tensorflow as tf
 from multiworker import WORKERS_DIR
 from tfscale import callbacks
 from tfscale import checkpoint
+from tfscale import preemption
 
 sys.path.insert(0, WORKERS_DIR)
 from tutorial_callbacks import Steps  # noqa: E402  (the optimizer step trained)
@@ -78,6 +81,44 @@ def test_resumes_at_the_saved_step(tmp_path, per_epoch_iterator, save_freq,
 
     assert steps.first == resumed_at
     assert steps.trained == list(range(resumed_at + 1, EPOCHS * STEPS_PER_EPOCH + 1))
+    for a, b in zip(straight.variables, resumed.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+class Sigterm(keras.callbacks.Callback):
+    """Sends this process SIGTERM after step `at_step`, as an eviction would."""
+
+    def __init__(self, at_step):
+        super().__init__()
+        self.at_step = at_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_saves_the_next_step_exits_143_and_the_rerun_resumes_there(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    straight = run(tmp_path / "straight", False, save_freq=1000)
+    # A fit gives SIGTERM back when it ends.
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    backup = tmp_path / "backup"
+    try:
+        with pytest.raises(preemption.Preempted) as stopped:
+            # Callbacks run in order: the backup sees the SIGTERM one step on.
+            run(backup, False, [Sigterm(7)], save_freq=1000)
+    finally:
+        preemption.watch_of(None).uninstall()  # the process would have left
+    assert stopped.value.code == 143 and stopped.value.step == 8
+    assert stopped.value.workers == 1
+    assert json.loads((backup / "state.json").read_text())["step"] == 8
+    steps = Steps()
+    resumed = run(backup, False, [steps], save_freq=1000)
+    assert steps.first == 8
+    assert not backup.exists()  # the resumed fit finished
     for a, b in zip(straight.variables, resumed.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables, strict=True):

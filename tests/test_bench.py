@@ -154,7 +154,8 @@ def test_gpucheck_without_gpus_says_so_in_one_line_and_starts_no_worker(tmp_path
         "tfscale-bench gpucheck: TensorFlow sees no GPU on this machine "
         f"(tensorflow {tf.__version__}, built without CUDA), so there is no NCCL "
         "to check: run it on a GPU machine with pip install "
-        "'tensorflow[and-cuda]'; --ring_only checks only the ring half here."]
+        "'tensorflow[and-cuda]'; --ring_only checks only the ring half here; "
+        "--commands --num_workers=N prints what to run on N GPUs after the check."]
     assert "launching" not in process.stdout and "Traceback" not in process.stderr
 
 

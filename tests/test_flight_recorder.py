@@ -11,7 +11,7 @@ from multiworker import run_workers
 from tfscale import flight_report
 
 # The first collective of a step: the examples of each worker's batch.
-COUNTS = "examples per worker (ring; float32 x 2), all_reduce on group 1 of {} workers"
+COUNTS = "examples per worker (ring; float32 x 3), all_reduce on group 1 of {} workers"
 
 
 @pytest.mark.multiworker
@@ -42,7 +42,7 @@ def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
     summary = [l for l in run.output.splitlines()
                if l.startswith("tfscale-launch: flight recorder: ")]
     assert summary, run.output[-5000:]
-    assert ("workers 0, 2 wait in step 3 (examples per worker) (ring, float32 x 2)"
+    assert ("workers 0, 2 wait in step 3 (examples per worker) (ring, float32 x 3)"
             in summary[0]
             and "worker 1 sent no report" in summary[0]), summary
 

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from tfscale.launch import restarts
 from tfscale.launch.restarts import RestartPolicy
 from tfscale.launch.restarts import WorkerFailure
 
@@ -76,6 +77,22 @@ def test_only_a_slot_that_failed_before_and_only_after_a_restart_is_dropped():
     assert policy.slots == [0, 1, 2]
 
 
+def test_a_preempted_slot_is_relaunched_and_never_dropped():
+    policy = RestartPolicy(3, max_restarts=3, min_workers=1, restart_window=60)
+    first = policy.after_failure(failure(1, code=143, seconds=1))
+    assert first.message == (
+        "worker 1 was preempted (exit code 143: a SIGTERM, after every worker "
+        "saved the same step); stopped the other workers; restart 1 of 3 on "
+        "fresh ports.")
+    # Preempted again right after the relaunch: a busy cluster, not a broken
+    # machine.
+    again = policy.after_failure(failure(1, code=143, seconds=1))
+    assert again.restart and again.dropped_slot is None
+    assert policy.slots == [0, 1, 2] and policy.restarts == 2
+    # A real failure after a preemption is the slot's first.
+    assert policy.after_failure(failure(1, code=1, seconds=1)).dropped_slot is None
+
+
 def test_without_min_workers_no_slot_is_ever_dropped():
     policy = RestartPolicy(3, max_restarts=3)
     for _ in range(3):
@@ -97,3 +114,9 @@ def test_without_min_workers_no_slot_is_ever_dropped():
 def test_inconsistent_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RestartPolicy(3, **kwargs)
+
+
+def test_the_launcher_reads_the_code_workers_exit_with_when_preempted():
+    from tfscale import preemption  # TensorFlow: the launcher keeps its own copy
+
+    assert restarts.PREEMPTED_EXIT_CODE == preemption.PREEMPTED_EXIT_CODE == 143

@@ -9,9 +9,11 @@ Images come out float32, resized to `image_size` and normalized by
 `preprocess`, the same function the exported SavedModel runs on raw uint8
 images, so training and serving see identical inputs.
 
-Every worker shuffles one stream with the same seed and cuts it into global
-batches; each worker keeps its rows of each, so a global batch holds the same
-examples whatever the number of workers. A pipeline may start `start_example`
+Every worker reads one stream, a permutation of the split per epoch drawn
+from the seed and the epoch alone, and cuts it into global batches; each
+worker keeps its rows of each, so a global batch holds the same examples
+whatever the number of workers, and a resumed pipeline continues the stream
+exactly. A pipeline may start `start_example`
 examples into that stream: where a phase of a growing batch
 (`tfscale.batch_growth`) continues from the phase before it.
 """
@@ -202,9 +204,8 @@ def digits(split, global_batch_size, image_size=None, *, training=None,
             batch schedule starts.
     """
     images, labels = digits_arrays(split)
-    source = tf.data.Dataset.from_tensor_slices((images, labels))
     return _batched(
-        source, len(labels), SPECS["digits"], split, global_batch_size,
+        images, labels, SPECS["digits"], split, global_batch_size,
         image_size, training, input_context, seed, start_step, drop_remainder,
         start_example,
     )
@@ -390,39 +391,57 @@ def digits_arrays(split):
     return (train_x, train_y) if split == "train" else (test_x, test_y)
 
 
-def _batched(source, count, dataset_spec, split, global_batch_size, image_size,
+def _batched(images, labels, dataset_spec, split, global_batch_size, image_size,
              training, input_context, seed, start_step, drop_remainder=True,
              start_example=0):
-    """Shuffles, batches, keeps this worker's share and preprocesses an
-    in-memory split.
+    """This worker's share of each global batch of an in-memory split,
+    preprocessed.
 
-    Training: one stream shuffled with the same seed on every worker, cut
-    into global batches, of which each worker keeps its rows
-    (`worker_share`). Evaluation: one pass, in order; with `drop_remainder`
-    whole global batches only, else a last, smaller one too (a worker left
-    without rows of it runs out of data first).
+    Training: stream position p holds example `_shuffled_examples(p)`, a
+    permutation of the split per epoch drawn from `(seed, epoch)` alone, as
+    for ImageNet. The global batches are cut from that stream and each worker
+    keeps its rows (`worker_share`). The stream is a function of the position
+    only, so a pipeline that starts at `start_step` (a resume) continues the
+    same stream exactly: a `shuffle(reshuffle_each_iteration=True)` draws
+    each epoch's order from a generator that every iterator of the dataset
+    advances (Keras's first-batch peek included), and a resume in a later
+    epoch then read another order. Evaluation: one pass, in order; with
+    `drop_remainder` whole global batches only, else a last, smaller one too
+    (a worker left without rows of it runs out of data first).
     """
     image_size = image_size or dataset_spec.default_image_size
     training = (split == "train") if training is None else training
+    count = len(labels)
     check_batch(global_batch_size, count, split)
     if start_example < 0:
         raise ValueError("`start_example` must be >= 0. "
                          f"Received: start_example={start_example}")
-    if training:
-        source = source.shuffle(count, seed=seed, reshuffle_each_iteration=True)
-        source = source.repeat()
-        if start_example:  # before batching: the same examples for any N
-            source = source.skip(start_example)
-    source = source.batch(global_batch_size, drop_remainder=training or drop_remainder)
-    if training:
-        source = source.skip(start_step)  # before preprocessing: cheap
     start, size = worker_share(global_batch_size, *_this_worker(input_context))
-    source = source.map(
-        lambda x, y: (preprocess(x[start:start + size], dataset_spec, image_size),
-                      y[start:start + size]),
+    images, labels = tf.constant(images), tf.constant(labels)
+    if training:
+        def rows(step):
+            positions = (start_example + step * global_batch_size + start
+                         + tf.range(size, dtype=tf.int64))
+            # (the op refuses an empty share)
+            return _shuffled_examples(positions, count, seed) if size else positions
+
+        batches = tf.data.Dataset.range(start_step, np.iinfo(np.int64).max).map(rows)
+    else:
+        def rows(step):
+            first = step * global_batch_size
+            end = tf.minimum(first + global_batch_size, count)
+            return tf.range(tf.minimum(first + start, end),
+                            tf.minimum(first + start + size, end))
+
+        batches = tf.data.Dataset.range(
+            count // global_batch_size if drop_remainder
+            else -(-count // global_batch_size)).map(rows)
+    batches = batches.map(
+        lambda rows: (preprocess(tf.gather(images, rows), dataset_spec, image_size),
+                      tf.gather(labels, rows)),
         num_parallel_calls=tf.data.AUTOTUNE,
     )
-    return source.prefetch(tf.data.AUTOTUNE)
+    return batches.prefetch(tf.data.AUTOTUNE)
 
 
 def _resize_shorter_and_center_crop(images, image_size, crop_fraction=0.875):

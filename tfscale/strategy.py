@@ -32,6 +32,7 @@ from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
 from tfscale import collectives
 from tfscale import evaluator
+from tfscale import preemption
 from tfscale import uneven_data
 from tfscale import fit_hooks
 from tfscale import optimizers
@@ -320,6 +321,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         # Clipping and accumulation of every Keras optimizer on the
         # all-reduced gradient (see `_gradient_reducer`).
         keras_hooks.route_optimizer_updates(_gradient_reducer)
+        self._preemption = preemption.PreemptionWatch(self.worker_index,
+                                                      self.num_workers)
 
     def _install_all_reduce(self):
         """Routes dense all-reduces through tfscale's fused collectives."""
@@ -392,7 +395,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             fn = uneven_data.counting_examples(
                 fn, keras_step=keras_step,
                 model=getattr(fn, "__self__", None) if keras_step else None,
-                on_cpu=self._on_cpu, note=self._flight_recorder.context)
+                on_cpu=self._on_cpu, note=self._flight_recorder.context,
+                preemption=self._preemption)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
@@ -472,6 +476,14 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         worker's collectives (its `records()`, `report()`); it records while
         `CommunicationOptions.timeout_seconds` is set (the default)."""
         return self._flight_recorder
+
+    @property
+    def preemption(self):
+        """The `tfscale.preemption.PreemptionWatch` of this worker: SIGTERM,
+        once `install()`ed (the saving callbacks do), asks every worker to
+        save the same step; each step's all-reduce of example counts carries
+        the request (`agreed_workers()` between steps)."""
+        return self._preemption
 
     @property
     def communication_algorithm(self):

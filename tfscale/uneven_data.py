@@ -66,9 +66,10 @@ _local = threading.local()
 class _StepExamples:
     """The examples of this worker's batch in the `strategy.run` under way."""
 
-    def __init__(self, count, note=None):
+    def __init__(self, count, note=None, preemption=None):
         self.count = count  # float32 scalar tensor
         self._note = note
+        self._preemption = preemption
         self._sums = {}  # graph -> (examples, workers without any) on all
 
     def _sum(self):
@@ -76,11 +77,16 @@ class _StepExamples:
         # branch of it (a tensor cannot leave its branch).
         graph = tf.compat.v1.get_default_graph()
         if graph not in self._sums:
-            mine = tf.stack([self.count, tf.cast(self.count == 0, tf.float32)])
+            mine = [self.count, tf.cast(self.count == 0, tf.float32)]
+            if self._preemption:  # a third number: has this worker a SIGTERM?
+                mine.append(self._preemption.local_request())
             with (self._note(purpose="examples per worker") if self._note
                   else contextlib.nullcontext()):
-                self._sums[graph] = tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, mine)
+                summed = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, tf.stack(mine))
+            if self._preemption:
+                self._preemption.record_agreed(summed[2])
+            self._sums[graph] = summed
         return self._sums[graph]
 
     def total(self):
@@ -113,7 +119,8 @@ def local_example_count(args, kwargs=None):
     return None
 
 
-def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None):
+def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None,
+                      preemption=None):
     """`fn` (a replica function), counting its batch's examples while it runs.
 
     Args:
@@ -129,6 +136,10 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None):
             which the step's collectives are traced
             (`FlightRecorder.context`): told the step (the optimizer's
             `iterations` of a train step) and what runs.
+        preemption: `None`, or the `tfscale.preemption.PreemptionWatch` whose
+            request the step's all-reduce carries (train steps and custom
+            loops always issue that all-reduce then, even without a loss
+            Keras scales).
     """
     if keras_step not in (None, *KERAS_STEPS):
         raise ValueError(f"Argument `keras_step` must be None or one of "
@@ -139,7 +150,7 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None):
         count = local_example_count(args, kwargs)
         if count is None:
             return fn(*args, **kwargs)
-        step = _StepExamples(count, note)
+        step = _StepExamples(count, note, preemption)
         if keras_step is None and on_cpu:
             args, kwargs = _refuse_empty_batches(step, args, kwargs)
         elif keras_step is not None:
@@ -161,6 +172,8 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None):
                 outputs = fn(*args, **kwargs)
         finally:
             stack.pop()
+        if preemption and keras_step in (None, "train"):
+            step.total()  # the step's all-reduce, if no loss has issued it
         if keras_step in ("train", "test"):
             for variable, value in zip(metrics, before):
                 variable.assign(tf.where(count == 0, value, variable.value))

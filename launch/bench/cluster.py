@@ -127,7 +127,8 @@ def launch_workers(spec, work_dir, name, num_workers=None, emulate=True,
         num_workers: None: --num_workers.
         emulate: False runs on loopback even with --emulate_nodes.
         gpus_per_node: give each worker one GPU (tfscale-launch's
-            `--gpus_per_node`); None: every worker sees what this process sees.
+            `--gpus_per_node`); None: one each if `--gpus_per_node` is set,
+            else every worker sees what this process sees.
 
     Returns:
         One output (parsed JSON) per rank.
@@ -149,6 +150,10 @@ def launch_workers(spec, work_dir, name, num_workers=None, emulate=True,
             emulate_nodes=FLAGS.emulate_nodes, inter_node_rate=FLAGS.inter_node_rate,
             inter_node_burst=FLAGS.inter_node_burst,
             inter_node_latency=FLAGS.inter_node_latency)
+    if gpus_per_node is None and FLAGS.gpus_per_node:
+        # One GPU per worker, whatever this launch's size (a one-worker
+        # baseline included): as many GPUs per node as workers on it.
+        gpus_per_node = num_workers // (FLAGS.emulate_nodes if emulation else 1)
     command = [sys.executable, "-m", "tfscale.launch.bench.worker", spec_path]
     print(f"tfscale-bench: launching {num_workers} worker(s): {name}", flush=True)
     code = local.launch(command, num_workers, timeout=FLAGS.timeout,

@@ -19,6 +19,15 @@ tfscale's one ordering chain per worker is there for
 Without GPUs it says so in one line and exits 1 before starting a worker.
 `--ring_only` runs only the ring half, on any machine (CPU workers too): it
 checks the checking, not NCCL, and says so.
+
+The check proves that the sums are right, not what the paths cost: after its
+verdict on GPUs it prints the commands that measure them on the same GPUs
+(`proving_commands`: every algorithm's all-reduce against stock and the
+default, training throughput, op determinism's cost) and the BENCHMARKS.md
+section their tables go to. `--commands` prints them for `--num_workers` GPUs
+and exits, on any machine, starting no worker:
+
+    tfscale-bench gpucheck --commands --num_workers=8
 """
 
 import shutil
@@ -32,6 +41,8 @@ from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
 ALGORITHMS = ("ring", "hierarchical", "2d", "halving_doubling")
+# Where the tables of `proving_commands` go (a heading of BENCHMARKS.md).
+BENCHMARKS_SECTION = "10. GPUs: the NCCL paths (not yet run)"
 
 
 def define_flags():
@@ -51,11 +62,18 @@ def define_flags():
     flags.DEFINE_bool("ring_only", False, "Run only the ring half, also on a "
                       "machine without GPUs: checks tfscale's checking on CPU "
                       "workers; NCCL is NOT checked.")
+    flags.DEFINE_bool("commands", False, "Only print the commands that measure "
+                      "the NCCL paths on --num_workers GPUs and record them in "
+                      "BENCHMARKS.md, then exit; starts no worker, runs on any "
+                      "machine.")
 
 
 def main():
-    """Checks every algorithm through NCCL and ring; prints the table."""
-    num_gpus = _gpus_here()
+    """Checks every algorithm through NCCL and ring; prints the table (and,
+    on GPUs, the commands to run next). With --commands only prints those."""
+    if FLAGS.commands:
+        return _print_commands()
+    num_gpus = gpus_here()
     if not num_gpus and not FLAGS.ring_only:
         raise RuntimeError(_no_gpu_message())
     num_workers = FLAGS.num_workers
@@ -74,9 +92,7 @@ def main():
                 f"--num_workers={num_gpus} or fewer.")
         gpus_per_node = num_workers
     size = stats.parse_sizes([FLAGS.size])[0]
-    local_size = FLAGS.local_size
-    if local_size is None and num_workers >= 4 and num_workers % 2 == 0:
-        local_size = num_workers // 2
+    local_size = FLAGS.local_size or default_local_size(num_workers)
     implementations = ["ring"] if FLAGS.ring_only else ["nccl", "ring"]
     input_sets = [(stats.human_bytes(size), [[size // 4]])]
     spec = {
@@ -105,10 +121,120 @@ def main():
     rows = report.summarize([outputs], input_sets, context)  # raises if wrong
     print(table(rows))
     print(verdict(rows, num_workers, FLAGS.ring_only), flush=True)
+    if not FLAGS.ring_only:
+        print(next_steps(num_workers, local_size, checked=True), flush=True)
     return rows
 
 
-def _gpus_here():
+def _print_commands():
+    """--commands: the next steps for --num_workers GPUs, before any check."""
+    if FLAGS.num_workers < 2:
+        raise ValueError(f"--commands needs --num_workers >= 2 (one per GPU). "
+                         f"Received: --num_workers={FLAGS.num_workers}")
+    local_size = FLAGS.local_size or default_local_size(FLAGS.num_workers)
+    print(next_steps(FLAGS.num_workers, local_size, checked=False), flush=True)
+    return proving_commands(FLAGS.num_workers, local_size)
+
+
+def default_local_size(num_workers):
+    """Half the workers with 4 or more (an even number), else None (one node).
+
+    On one machine every worker is on one host, which tfscale makes one
+    node: hierarchical and 2d would run as a ring. Two nodes of half the
+    GPUs give them their sub-groups (several NCCL communicators per GPU).
+    """
+    if num_workers >= 4 and num_workers % 2 == 0:
+        return num_workers // 2
+    return None
+
+
+def proving_commands(num_workers, local_size=None):
+    """The commands that measure, on `num_workers` GPUs of one machine, what
+    gpucheck only checks, each writing its rows under docs/bench/.
+
+    gpucheck proves the sums over NCCL; nothing of tfscale has been timed on
+    a GPU. These time tfscale's sub-group algorithms over NCCL (hierarchical,
+    2d, halving_doubling, hybrid) against the default there (ring: one NCCL
+    all-reduce per bucket) and stock, in the same run, on buffers from 4 KB
+    to 256 MB and on ResNet-50's gradients (`bfloat16` too, which NCCL sends
+    as float16 with a per-buffer scale); the same in training ResNet-50
+    (32 images per GPU: the paper's 64K over 2048 GPUs) and AlexNet-BN (64),
+    float32 and mixed_float16; and the cost of `tfscale-train
+    --deterministic` on one GPU. Pure
+    (no TensorFlow): gpucheck prints them on machines without GPUs too, and
+    tests/test_gpucheck_commands.py parses each against its program's flags.
+
+    Args:
+        num_workers: GPUs, one worker each (`--gpus_per_node`).
+        local_size: workers per node for tfscale's topology; None: one node.
+
+    Returns:
+        One shell command per string, to run from the checkout's root.
+    """
+    tag = f"gpu{num_workers}"
+    workers = [("num_workers", num_workers), ("gpus_per_node", num_workers)]
+    if local_size:
+        workers.append(("local_size", local_size))
+    every = ",".join(("stock", *ALGORITHMS, "hybrid"))
+    allreduce = [*workers, ("algorithms", every), ("compression", "none,bfloat16"),
+                 ("rounds", 2)]
+    train = [*workers, ("image_size", 224), ("steps", 20), ("warmup_steps", 5),
+             ("precisions", "float32,mixed_float16"),
+             ("algorithms", "stock,ring,hierarchical,hybrid")]
+    return [
+        _command("tfscale-bench allreduce", [
+            *allreduce, ("sizes", "4KB,64KB,1MB,16MB,256MB"), ("warmup", 5),
+            ("repeats", 20), ("output", f"docs/bench/allreduce_sizes_{tag}.json"),
+            ("plot", True)]),
+        _command("tfscale-bench allreduce", [
+            *allreduce, ("gradients", "resnet50"), ("warmup", 3), ("repeats", 10),
+            ("output", f"docs/bench/allreduce_resnet50_{tag}.json"), ("plot", True)]),
+        *(_command("tfscale-bench train", [
+            ("model", model), *train, ("per_worker_batch", batch),
+            ("output", f"docs/bench/train_{model}_{tag}.json"), ("plot", True)])
+          for model, batch in (("resnet50", 32), ("alexnet_bn", 64))),
+        # One process on one GPU: op determinism's cost, not communication.
+        _command("CUDA_VISIBLE_DEVICES=0 python -m tfscale.launch.studies.precision_speed", [
+            ("model", "resnet50"), ("image_size", 224), ("batch_size", 32),
+            ("steps", 20), ("warmup_steps", 5), ("precisions", "float32,mixed_float16"),
+            ("deterministic_too", True), ("rounds", 2)]),
+    ]
+
+
+def _command(program, flag_values):
+    """`program --name=value ...`; True is a boolean flag given alone."""
+    return " ".join([program] + [f"--{name}" if value is True else f"--{name}={value}"
+                                 for name, value in flag_values])
+
+
+def next_steps(num_workers, local_size, checked):
+    """What to run after the check, and where the results go.
+
+    Args:
+        checked: True after a check on these GPUs; False for --commands.
+    """
+    if checked:
+        lines = [f"Next: to prove the other paths on these {num_workers} GPUs "
+                 "and record them in BENCHMARKS.md, run:"]
+    else:
+        lines = [f"To prove the other paths on {num_workers} GPUs and record "
+                 "them in BENCHMARKS.md, run on that machine, from the "
+                 f"checkout's root, after `tfscale-bench gpucheck "
+                 f"--num_workers={num_workers}` has passed:"]
+    lines += proving_commands(num_workers, local_size)
+    lines.append(f"Then copy each command and the table it prints into "
+                 f"BENCHMARKS.md, section \"{BENCHMARKS_SECTION}\"; the JSON "
+                 "(and PNG) files stay in docs/bench/.")
+    if not local_size:
+        lines.append(f"On {num_workers} GPUs the workers form one node, so "
+                     "hierarchical and 2d run as ring: 4 or more GPUs (an even "
+                     "number) or --local_size give them sub-groups.")
+    return "\n".join(lines)
+
+
+def gpus_here():
+    """How many GPUs TensorFlow sees; imports TensorFlow, so only a check
+    calls it (--commands does not)."""
     import tensorflow as tf
 
     return len(tf.config.list_physical_devices("GPU"))
@@ -121,7 +247,8 @@ def _no_gpu_message():
     return (f"TensorFlow sees no GPU on this machine (tensorflow {tf.__version__}, "
             f"{build}), so there is no NCCL to check: run it on a GPU machine "
             "with pip install 'tensorflow[and-cuda]'; --ring_only checks only "
-            "the ring half here.")
+            "the ring half here; --commands --num_workers=N prints what to run "
+            "on N GPUs after the check.")
 
 
 def describe_worker(output):

@@ -10,6 +10,7 @@ from tfscale._private import keras_hooks
 from tfscale import checkpoint
 from tfscale._validation import is_int
 from tfscale.callbacks.chief_backup import ChiefBackup
+from tfscale.callbacks.preemption_stop import PreemptionStop
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -44,10 +45,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: `"epoch"`: back up at the end of every epoch; an integer
             `n`: every `n` batches (steps).
         delete_checkpoint: delete `backup_dir` when `fit` ends (a fit that
-            ends because of an error keeps it).
+            ends because of an error or a preemption keeps it).
+        save_before_preemption: on a SIGTERM to any worker, every worker
+            backs up the step after it and raises
+            `tfscale.preemption.Preempted` (exit code 143; Keras 2's argument
+            of this name, dropped by Keras 3; see `tfscale.preemption`). A
+            relaunched fit resumes at that step.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True,
+                 save_before_preemption=True):
         super().__init__()
         if not backup_dir:
             raise ValueError(
@@ -62,7 +69,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
         self._original_train_function = None
+        self._preemption = None
 
     def _strategy(self):
         return self.model.distribute_strategy
@@ -104,6 +113,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             keras_hooks.set_initial_epoch(model, saved["epoch"])
         self._original_train_function = model.train_function
         model.train_function = self._train_function
+        if self.save_before_preemption:
+            self._preemption = PreemptionStop(model, self._save)
+            self._preemption.begin()
 
     def _check_backup_within_fit(self, saved):
         # A backup from past this fit's end (a later fit of the same
@@ -155,11 +167,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         self._batch = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._preemption:
+            self._preemption.before_batch()
+
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq != "epoch" and (
             checkpoint.step(self.model) - self._backup.last_saved >= self.save_freq
         ):
             self._due = True
+        if self._preemption:
+            self._preemption.after_batch()
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
@@ -169,10 +187,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         model.train_function = self._original_train_function
         keras_hooks.set_initial_epoch(model, None)
+        if self._preemption:
+            # A SIGTERM in the last step: the fit is done, but the script
+            # after it would not be; a relaunch resumes at the end.
+            self._preemption.save = self._save_at_end
+            self._preemption.at_end()
         if self.delete_checkpoint:
             if self._is_chief():
                 shutil.rmtree(self.backup_dir, ignore_errors=True)
             return
+        self._save_at_end()
+
+    def _save_at_end(self):
         self._epoch += 1 if self._batch else 0
         self._batch = self._position = 0
         self._save()

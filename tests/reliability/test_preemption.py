@@ -1,0 +1,121 @@
+"""Preemption: SIGTERM to worker 1 of a 2-worker tfscale-train mid-epoch,
+with checkpoints far apart, as Kubernetes evicting its pod would. Every
+worker saves the step they agree on and exits with 143 well inside a
+30-second grace period; `tfscale-launch --max_restarts=1` relaunches the
+job, which resumes at that step and ends with the weights and optimizer
+state of a run never interrupted, bit for bit (BatchNorm's moving statistics
+within float32 rounding: the save averaged them over the workers)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from multiworker import checkpoint_variables
+from multiworker import pids_with_env
+from multiworker import worker_env
+
+pytestmark = pytest.mark.multiworker
+
+EPOCHS = 3
+STEPS_PER_EPOCH = 30
+GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
+
+
+def command(model_dir, *launcher_flags):
+    return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
+            "--timeout=400", "--grace_seconds=5", *launcher_flags, "--",
+            sys.executable, "-m", "tfscale.launch.train", "--fc_units=32",
+            "--global_batch_size=32", f"--epochs={EPOCHS}",
+            f"--steps_per_epoch={STEPS_PER_EPOCH}", "--checkpoint_steps=1000",
+            f"--model_dir={model_dir}", "--export_dir="]
+
+
+def wait_for(predicate, what, launcher, log_path, seconds=300):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert launcher.poll() is None and time.monotonic() < deadline, (
+            f"{what}:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.02)
+
+
+def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tmp_path):
+    env = worker_env(tmp_path)
+    straight = tmp_path / "straight"
+    done = subprocess.run(command(straight), cwd=tmp_path, env=env, timeout=460,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+
+    preempted = tmp_path / "preempted"
+    log_path = tmp_path / "preempted.log"
+    marker = uuid.uuid4().hex
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(
+            command(preempted, "--max_restarts=1"), cwd=tmp_path,
+            env=dict(env, TFSCALE_RUN=marker), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # Mid-epoch 2: the chief announces the epoch when it starts.
+        wait_for(lambda: "Epoch 2/3" in log_path.read_text(), "epoch 2 never started",
+                 launcher, log_path)
+        time.sleep(0.3)
+        pids = sorted(set(pids_with_env(f"TFSCALE_RUN={marker}"))
+                      & set(pids_with_env("TFSCALE_SLOT=1\0"))
+                      & set(pids_with_env("TFSCALE_RESTART_COUNT=0\0")))
+        assert pids, "no worker 1"
+        signalled = time.monotonic()
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids)
+                 or "restart 1 of 1" in log_path.read_text(),
+                 "worker 1 did not exit", launcher, log_path, GRACE_SECONDS)
+        exited = time.monotonic() - signalled
+        launcher.wait(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    output = log_path.read_text()
+    assert launcher.returncode == 0, output[-6000:]
+    print(f"worker 1 exited {exited:.1f} s after its SIGTERM")
+    assert exited < GRACE_SECONDS
+
+    # Logged at once, with the step it came after.
+    got = re.findall(r"\[worker 1\] tfscale: worker 1 got SIGTERM after step (\d+): "
+                     r"every worker saves a checkpoint after the next step", output)
+    assert len(got) == 1, output[-6000:]
+    signalled_at = int(got[0])
+    saved = {int(w): int(s) for w, s in re.findall(
+        r"\[worker (\d)\] .*tfscale: preempted: 1 worker\(s\) had a SIGTERM; every "
+        r"worker saved step (\d+) and exits with code 143", output)}
+    assert saved.keys() == {0, 1}, output[-6000:]
+    step = saved[0]
+    assert saved[1] == step
+    assert STEPS_PER_EPOCH < signalled_at <= step <= signalled_at + 2, (
+        f"SIGTERM after step {signalled_at}, saved step {step}: steps lost")
+    assert re.search(r"tfscale-launch: worker \d was preempted \(exit code 143: a "
+                     r"SIGTERM, after every worker saved the same step\); stopped the "
+                     r"other workers; restart 1 of 1", output), output[-6000:]
+    resumed = re.findall(r"\[worker 0\] .*Resuming from the checkpoint of step (\d+)",
+                         output)
+    assert resumed == [str(step)], output[-6000:]
+
+    step_a, straight_vars = checkpoint_variables(straight)
+    step_b, preempted_vars = checkpoint_variables(preempted)
+    assert step_a == step_b == EPOCHS * STEPS_PER_EPOCH
+    assert straight_vars.keys() == preempted_vars.keys()
+    moving = [n for n in straight_vars if "/moving_" in n]
+    assert moving
+    for name, value in straight_vars.items():
+        if name in moving:
+            # Every save averages BatchNorm's moving statistics over the
+            # workers, the preemption's save too (the uninterrupted run made
+            # none at that step): equal in exact arithmetic, not in float32.
+            np.testing.assert_allclose(preempted_vars[name], value, rtol=1e-6,
+                                       atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(preempted_vars[name], value, err_msg=name)
