@@ -33,6 +33,7 @@ from tfscale import checkpoint
 from tfscale import data
 from tfscale import evaluator
 from tfscale import export
+from tfscale import flight_report
 from tfscale import imagenet_source
 from tfscale import recipes
 
@@ -520,11 +521,11 @@ def describe_failure(config, error):
         return str(error)
     # Errors of this worker's own data or resources, not of its peers.
     if isinstance(error, tf.errors.DataLossError):
-        return (f"Corrupt data ({_first_line(error)}): a file this worker read "
+        return (f"Corrupt data ({checkpoint.first_line(error)}): a file this worker read "
                 "is damaged. Replace it (a checkpoint: --model_dir moves corrupt "
                 "ones aside itself at the next start) and relaunch.")
     if isinstance(error, tf.errors.ResourceExhaustedError):
-        return (f"Out of memory or disk space ({_first_line(error)}). Free it, "
+        return (f"Out of memory or disk space ({checkpoint.first_line(error)}). Free it, "
                 "or use a smaller --global_batch_size, then relaunch.")
     if isinstance(error, tfscale.StartupError):
         if error.signum is None and error.missing:
@@ -533,6 +534,12 @@ def describe_failure(config, error):
     if isinstance(error, evaluator.NoNewCheckpointError):
         return (f"{error} If training is still running, raise "
                 f"--evaluator_timeout (now {config.evaluator_timeout:g} s).")
+    mismatch = (flight_report.peer_mismatch(str(error))
+                if isinstance(error, tf.errors.OpError) else None)
+    if mismatch:
+        return (f"The workers issued different collectives: {mismatch}. Start "
+                "every worker with the same flags and the same version of the "
+                "code, then relaunch.")
     if isinstance(error, tf.errors.OpError):
         # Collective errors name the peer's task where gRPC knows it.
         task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
@@ -550,11 +557,6 @@ def describe_failure(config, error):
             "resumes from the last checkpoint."
         )
     return None
-
-
-def _first_line(error):
-    lines = [l.strip() for l in str(error.message).splitlines() if l.strip()]
-    return " ".join(lines[0].split()) if lines else type(error).__name__
 
 
 def _collective_cause(message):

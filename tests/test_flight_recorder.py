@@ -62,6 +62,49 @@ def test_a_worker_one_step_ahead_is_named_at_that_step(tmp_path):
             or "worker 1 waits in outside a training step" in summary), summary
 
 
+@pytest.mark.multiworker
+def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tmp_path):
+    # Worker 1 froze the last layer: the first gradient bucket (no fusion) is
+    # the last layer's bias (2 floats) on worker 0, the first layer's bias
+    # (16) on worker 1; TensorFlow refuses the collective.
+    run = run_workers("flight_worker.py", 2, tmp_path, args=["frozen_layer"],
+                      timeout=240)
+    assert run.returncode != 0
+    expected = {0: "gradient bucket 0 of 4 (ring; float32 x 2; variables "
+                   "sequential/dense_1/bias)",
+                1: "gradient bucket 0 of 2 (ring; float32 x 16; variables "
+                   "sequential/dense/bias)"}
+    quotes = 0
+    for worker, bucket in expected.items():
+        text = "\n".join(l for l in run.output.splitlines()
+                         if l.startswith(f"[worker {worker}] "))
+        assert re.search(r"waits [0-9.]+ s in step 0, " + re.escape(bucket), text), (
+            run.output[-5000:])
+        quotes += bool(re.search(
+            r"collective instance \d+: worker \d brought shape \[(2|16)\], another "
+            r"worker \[(16|2)\] \(TensorFlow's error\): the workers built different "
+            r"models, or different variables are trainable", text))
+    assert quotes, run.output[-5000:]  # where TensorFlow's error says so
+
+
+def test_tensorflow_s_shape_mismatch_is_quoted():
+    message = ("INTERNAL: Shape mismatch in the collective instance 113. Op at device "
+               "/job:worker/replica:0/task:2/device:CPU:0 expected shape [4320] but "
+               "another member in the group expected shape [4754]. This is likely")
+    assert flight_report.peer_mismatch(message) == (
+        "collective instance 113: worker 2 brought shape [4320], another worker "
+        "[4754] (TensorFlow's error): the workers built different models, or "
+        "different variables are trainable")
+    assert flight_report.peer_mismatch("Deadline Exceeded") is None
+    # tfscale-train names the cause, not "Lost contact with a peer worker".
+    import tensorflow as tf
+    from tfscale.launch import train
+
+    said = train.describe_failure(None, tf.errors.InternalError(None, None, message))
+    assert said.startswith("The workers issued different collectives: collective "
+                           "instance 113: worker 2 brought shape [4320]"), said
+
+
 def test_the_summary_names_who_waits_and_who_is_behind():
     waiting = {"step": 7, "purpose": "gradients", "bucket": 3, "buckets": 4,
                "algorithm": "ring", "dtype": "float32", "elements": 4754}

@@ -324,10 +324,12 @@ def _find_intact(directory):
     return None, corrupt
 
 
-def _first_line(error):
+def first_line(error):
+    """The first non-empty line of `error`'s message, spaces collapsed (its
+    type's name when it has none): TensorFlow's errors carry a stack after."""
     message = getattr(error, "message", None) or str(error)
-    return " ".join(message.strip().splitlines()[0].split()) if message.strip() else (
-        type(error).__name__)
+    lines = [line for line in message.splitlines() if line.strip()]
+    return " ".join(lines[0].split()) if lines else type(error).__name__
 
 
 def recover(directory, is_chief, timeout_seconds=_BARRIER_SECONDS):
@@ -380,7 +382,7 @@ def _recover_as_chief(directory):
         else:  # nothing to move: its directory is gone
             target = f"nowhere ({record['checkpoint']} is missing)"
         moved.append({"step": record["step"], "to": target,
-                      "error": _first_line(error)})
+                      "error": first_line(error)})
     if not corrupt:
         return
     if intact is None:

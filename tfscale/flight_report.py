@@ -6,6 +6,7 @@ and says which worker is behind, and it stays a small process.
 """
 
 import json
+import re
 
 # The line tfscale-launch gathers from each worker's output.
 LINE_PREFIX = "tfscale-flight "
@@ -39,6 +40,29 @@ def describe(record):
              f"{record['group_size']} workers" if "group" in record else "")
     return (f"{_where(record)}, {_what(record)}"
             + (f" ({'; '.join(details)})" if details else "") + group)
+
+
+# TensorFlow's collective parameter resolution, when two members of one
+# collective instance bring tensors of different shapes.
+_SHAPE_MISMATCH = re.compile(
+    r"Shape mismatch in the collective instance (\d+)\.\s+Op at device "
+    r"(\S+)\s+expected shape (\[[^\]]*\]) but another member in the group\s+"
+    r"expected shape (\[[^\]]*\])", re.DOTALL)
+
+
+def peer_mismatch(message):
+    """What TensorFlow's error `message` says the members of a collective
+    brought: "collective instance 113: worker 1 brought shape [4320], another
+    worker [4754] ...", or None when it says nothing of the kind."""
+    match = _SHAPE_MISMATCH.search(message or "")
+    if not match:
+        return None
+    instance, device, one, other = match.groups()
+    task = re.search(r"/task:(\d+)", device)
+    who = f"worker {task.group(1)}" if task else device
+    return (f"collective instance {instance}: {who} brought shape {one}, "
+            f"another worker {other} (TensorFlow's error): the workers built "
+            "different models, or different variables are trainable")
 
 
 def parse(line):

@@ -551,7 +551,9 @@ def _flight_report_at_exit():
     for recorder in _recorders_at_exit:
         try:
             if recorder.pending() and not recorder.reported:
-                print(recorder.report("collectives left pending at exit"),
+                # The uncaught error that ends the process, if any.
+                print(recorder.report("collectives left pending at exit",
+                                      error=getattr(sys, "last_value", None)),
                       file=sys.stderr, flush=True)
             directory = os.environ.get(collectives.flight_recorder.DUMP_ENV)
             if directory:

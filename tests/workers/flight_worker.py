@@ -1,7 +1,9 @@
 """A small fit under tfscale.Strategy in which one worker goes wrong:
 
 - `stop`: worker 1 stops itself (SIGSTOP) before batch 3, as a hung process;
-- `extra_step`: worker 0 runs one step more than the others.
+- `extra_step`: worker 0 runs one step more than the others;
+- `frozen_layer`: worker 1 freezes the last layer (`trainable = False`), so
+  its gradient buckets are not worker 0's.
 
 The collective timeout is short; the flight recorder reports where each
 worker is (tfscale.collectives.flight_recorder).
@@ -35,6 +37,8 @@ def main(scenario):
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
                                   keras.layers.Dense(2)])
+        if scenario == "frozen_layer" and worker_index() == 1:
+            model.layers[-1].trainable = False
         model.compile(optimizer="sgd",
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)

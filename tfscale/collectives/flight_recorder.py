@@ -36,6 +36,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfscale import flight_report
 from tfscale.flight_report import LINE_PREFIX
 from tfscale.flight_report import describe
 
@@ -148,8 +149,9 @@ class FlightRecorder:
                 "pending": pending[0] if pending else None,
                 "completed": completed[-1] if completed else None}
 
-    def report(self, why=None):
-        """The lines saying where this worker is (see the module)."""
+    def report(self, why=None, error=None):
+        """The lines saying where this worker is (see the module), and what
+        TensorFlow's `error` (if given) says the other member brought."""
         self.reported = True
         now = time.time()
         position = self.position()
@@ -164,6 +166,9 @@ class FlightRecorder:
             lines.append(f"  last completed: {describe(completed)}")
         if len(lines) == 1:
             lines.append("  no collective recorded")
+        mismatch = flight_report.peer_mismatch(str(error)) if error else None
+        if mismatch:
+            lines.append(f"  {mismatch}")
         lines.append(LINE_PREFIX + json.dumps(position, default=str))
         return "\n".join(lines)
 

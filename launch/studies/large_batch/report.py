@@ -66,21 +66,22 @@ def alexnet_sentence(variant, gap, recomputed_gap, accuracy, recomputed,
     learning-rate decay it replaces), if that ran.
     """
     if mean(accuracy) < 20:
-        return (f"{variant.label}: diverged (chance-level accuracy, "
-                f"{mean(accuracy):.2f}%); recomputing BatchNorm statistics "
-                f"gives {mean(recomputed):.2f}%, it cannot rescue the weights.")
-    verdict = ("within 1 point of" if gap >= -1.0 else
-               f"{-gap:.2f} points short of")
-    change = mean(recomputed) - mean(accuracy)
-    # Below the seeds' spread, or one test image (100/360 %): noise.
-    noise = max(_std(accuracy), _std(recomputed), 100.0 / 360)
-    effect = (f"a change of {change:+.2f} points, "
-              + ("within" if abs(change) <= noise else "beyond")
-              + f" the spread over seeds ({noise:.2f})")
-    sentence = (f"{variant.label}: {verdict} the baseline with moving "
-                f"averages ({gap:+.2f}); with BatchNorm statistics recomputed "
-                f"for the final weights {recomputed_gap:+.2f} ({effect}).")
-    if reference:
+        sentence = (f"{variant.label}: diverged (chance-level accuracy, "
+                    f"{mean(accuracy):.2f}%); recomputing BatchNorm statistics "
+                    f"gives {mean(recomputed):.2f}%, it cannot rescue the weights.")
+    else:
+        verdict = ("within 1 point of" if gap >= -1.0 else
+                   f"{-gap:.2f} points short of")
+        change = mean(recomputed) - mean(accuracy)
+        # Below the seeds' spread, or one test image (100/360 %): noise.
+        noise = max(_std(accuracy), _std(recomputed), 100.0 / 360)
+        effect = (f"a change of {change:+.2f} points, "
+                  + ("within" if abs(change) <= noise else "beyond")
+                  + f" the spread over seeds ({noise:.2f})")
+        sentence = (f"{variant.label}: {verdict} the baseline with moving "
+                    f"averages ({gap:+.2f}); with BatchNorm statistics recomputed "
+                    f"for the final weights {recomputed_gap:+.2f} ({effect}).")
+    if reference:  # a diverged row too: did its reference diverge as well?
         description, accuracies = reference
         difference = mean(accuracy) - mean(accuracies)
         sentence += (f" Against {description} ({mean(accuracies):.2f}%): "
