@@ -534,13 +534,12 @@ def describe_failure(config, error):
     if isinstance(error, evaluator.NoNewCheckpointError):
         return (f"{error} If training is still running, raise "
                 f"--evaluator_timeout (now {config.evaluator_timeout:g} s).")
-    mismatch = (flight_report.peer_mismatch(str(error))
-                if isinstance(error, tf.errors.OpError) else None)
-    if mismatch:
-        return (f"The workers issued different collectives: {mismatch}. Start "
-                "every worker with the same flags and the same version of the "
-                "code, then relaunch.")
     if isinstance(error, tf.errors.OpError):
+        mismatch = flight_report.peer_mismatch(str(error))
+        if mismatch:
+            return (f"The workers issued different collectives: {mismatch}. "
+                    "Start every worker with the same flags and the same "
+                    "version of the code, then relaunch.")
         # Collective errors name the peer's task where gRPC knows it.
         task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
         own = (task.get("type"), str(task.get("index")))

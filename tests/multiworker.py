@@ -127,6 +127,14 @@ def pids_with_env(marker):
     return pids
 
 
+def worker_pids(marker, slot, restart):
+    """Pids of the worker of `slot` in launch `restart` of a tfscale-launch
+    run whose environment holds TFSCALE_RUN=`marker`."""
+    return sorted(set(pids_with_env(f"TFSCALE_RUN={marker}"))
+                  & set(pids_with_env(f"TFSCALE_SLOT={slot}\0"))
+                  & set(pids_with_env(f"TFSCALE_RESTART_COUNT={restart}\0")))
+
+
 def saved_step(directory):
     """The step of the newest tfscale.checkpoint in `directory` (0: none yet,
     or `state.json` being replaced)."""

@@ -70,7 +70,9 @@ class _StepExamples:
         self.count = count  # float32 scalar tensor
         self._note = note
         self._preemption = preemption
-        self._sums = {}  # graph -> (examples, workers without any) on all
+        # graph -> (examples, workers without any[, workers with a SIGTERM])
+        # summed over all workers
+        self._sums = {}
 
     def _sum(self):
         # One all-reduce per graph that asks: the step's, or a control-flow

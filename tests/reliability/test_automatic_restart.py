@@ -16,8 +16,8 @@ import uuid
 import numpy as np
 
 from multiworker import checkpoint_variables
-from multiworker import pids_with_env
 from multiworker import saved_step
+from multiworker import worker_pids
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -40,13 +40,6 @@ def command(model_dir, *launcher_flags):
             f"--steps_per_epoch={STEPS_PER_EPOCH}",
             f"--checkpoint_steps={CHECKPOINT_STEPS}", f"--model_dir={model_dir}",
             "--export_dir="]
-
-
-def worker_pids(marker, slot, restart):
-    """Pids of the worker of `slot` in launch `restart` of run `marker`."""
-    return sorted(set(pids_with_env(f"TFSCALE_RUN={marker}"))
-                  & set(pids_with_env(f"TFSCALE_SLOT={slot}\0"))
-                  & set(pids_with_env(f"TFSCALE_RESTART_COUNT={restart}\0")))
 
 
 def test_a_run_with_3_workers_killed_at_random_restarts_and_matches_an_uninterrupted_one(

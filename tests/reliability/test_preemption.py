@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from multiworker import checkpoint_variables
-from multiworker import pids_with_env
+from multiworker import worker_pids
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -64,9 +64,7 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tm
         wait_for(lambda: "Epoch 2/3" in log_path.read_text(), "epoch 2 never started",
                  launcher, log_path)
         time.sleep(0.3)
-        pids = sorted(set(pids_with_env(f"TFSCALE_RUN={marker}"))
-                      & set(pids_with_env("TFSCALE_SLOT=1\0"))
-                      & set(pids_with_env("TFSCALE_RESTART_COUNT=0\0")))
+        pids = worker_pids(marker, slot=1, restart=0)
         assert pids, "no worker 1"
         signalled = time.monotonic()
         for pid in pids:

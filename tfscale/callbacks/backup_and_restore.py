@@ -190,8 +190,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._preemption:
             # A SIGTERM in the last step: the fit is done, but the script
             # after it would not be; a relaunch resumes at the end.
-            self._preemption.save = self._save_at_end
-            self._preemption.at_end()
+            self._preemption.at_end(save=self._save_at_end)
         if self.delete_checkpoint:
             if self._is_chief():
                 shutil.rmtree(self.backup_dir, ignore_errors=True)

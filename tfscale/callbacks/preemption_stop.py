@@ -41,16 +41,17 @@ class PreemptionStop:
         if workers:
             self._stop(workers)
 
-    def at_end(self):
-        # Requests that came in the last step or after it: agreed now.
+    def at_end(self, save=None):
+        """Requests that came in the last step or after it, agreed now;
+        `save`: how to save the fit's end, if not `self.save`."""
         workers = self.watch.agree_now(self.strategy)
         if workers:
-            self._stop(workers)
+            self._stop(workers, save or self.save)
         self.watch.uninstall()
 
-    def _stop(self, workers):
-        self.save()
-        if getattr(self.strategy, "num_workers", 1) > 1:
+    def _stop(self, workers, save=None):
+        (save or self.save)()
+        if self.watch.num_workers > 1:
             # No worker leaves before the chief has written: a launcher stops
             # the others once one exits.
             if self._barrier is None:
