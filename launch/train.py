@@ -148,6 +148,7 @@ def strategy_from_flags(config):
             powersgd=powersgd_options(config),
             timeout_seconds=config.collective_timeout,
             implementation=config.implementation,
+            timeline=config.timeline,
         ),
         startup_timeout_seconds=config.startup_timeout or None,
     )

@@ -217,6 +217,13 @@ def _define_communication_flags():
         "Seconds a collective may wait for the other workers before the job "
         "fails.",
     )
+    flags.DEFINE_string(
+        "timeline", None,
+        "Directory where each worker writes worker-I.json at exit: its last "
+        "steps as a Chrome/Perfetto trace (forward+backward, each gradient "
+        "bucket's stages and collectives, the optimizer update); join them "
+        "with `python -m tfscale.timeline merge DIR`.",
+    )
 
 
 def _define_optimization_flags():

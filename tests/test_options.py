@@ -26,6 +26,7 @@ def test_defaults():
         "time_all_reduces": True,
         "powersgd": None,
         "implementation": "auto",
+        "timeline": None,
     }
 
 
@@ -136,7 +137,7 @@ def test_repr_shows_every_argument():
         "CommunicationOptions(algorithm='2d', fusion_threshold_bytes=33554432, "
         "hybrid_threshold_bytes=None, local_size=2, compression=None, "
         "timeout_seconds=300.0, cost_model=None, time_all_reduces=True, "
-        "powersgd=None, implementation='auto')")
+        "powersgd=None, implementation='auto', timeline=None)")
 
 
 def test_time_all_reduces_must_be_a_bool():
@@ -155,3 +156,11 @@ def test_nccl_is_refused_on_a_machine_without_gpus():
             "tensorflow-cpu has no NCCL). Use implementation='auto' (NCCL on "
             "GPUs, ring elsewhere) or 'ring'. Received: implementation='nccl'")):
         Options(implementation="nccl")
+
+
+def test_timeline_needs_the_collective_timeout():
+    with pytest.raises(ValueError, match="Argument `timeline` needs the flight recorder"):
+        Options(timeline="t", timeout_seconds=None)
+    with pytest.raises(TypeError, match="Argument `timeline` must be None or a directory"):
+        Options(timeline=3)
+    assert Options(timeline="t").get_config()["timeline"] == "t"

@@ -126,6 +126,20 @@ def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_p
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
+def test_timeline_flag_writes_every_step_of_each_worker(tmp_path):
+    from tfscale import timeline
+
+    traces = tmp_path / "timeline"
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
+                   "tfscale-train", "--epochs=1", *SMALL, "--export_dir=",
+                   f"--timeline={traces}"], cwd=tmp_path, timeout=360)
+    assert process.returncode == 0, process.stdout[-4000:]
+    merged = json.loads(open(timeline.merge(str(traces))).read())
+    steps = {(e["pid"], e["args"]["step"]) for e in merged["traceEvents"]
+             if e.get("ph") == "X" and e["name"] == "train step"}
+    assert steps == {(w, s) for w in (0, 1) for s in range(4)}, steps
+
+
 def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):
     import tensorflow as tf
 

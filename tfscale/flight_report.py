@@ -3,10 +3,15 @@ every worker's (see `tfscale.collectives.flight_recorder`).
 
 Without TensorFlow: tfscale-launch reads the workers' `tfscale-flight` lines
 and says which worker is behind, and it stays a small process.
+
+Without tfscale-launch (Kubeflow, SLURM), the same summary from the
+workers' saved logs: `python -m tfscale.flight_report worker-*.log`.
 """
 
+import argparse
 import json
 import re
+import sys
 
 # The line tfscale-launch gathers from each worker's output.
 LINE_PREFIX = "tfscale-flight "
@@ -111,3 +116,65 @@ def summarize(positions, num_workers, finished=()):
                f"workers {', '.join(map(str, workers))} wait")
         parts.append(f"{who} in {where}")
     return "; ".join(parts + others)
+
+
+def read_logs(paths):
+    """({worker: its last position}, [paths holding no report]) from
+    workers' logs, in any order: a file may hold one worker's lines or
+    several workers' interleaved (SLURM's single output); a later line, or
+    a later file, replaces a worker's earlier report."""
+    positions, silent = {}, []
+    for path in paths:
+        found = False
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                position = parse(line)
+                if isinstance(position, dict) and isinstance(position.get("worker"), int):
+                    positions[position["worker"]] = position
+                    found = True
+        if not found:
+            silent.append(path)
+    return positions, silent
+
+
+def main(argv=None):
+    """Prints the summary tfscale-launch prints, from saved worker logs.
+
+    Returns:
+        0 with a summary, 1 when no log holds a report, 2 for a log that
+        cannot be read.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m tfscale.flight_report",
+        description="Names the worker(s) behind from the tfscale-flight lines "
+        "of the workers' logs (kubectl logs POD > worker-1.log; SLURM "
+        "--output=%t.log), as tfscale-launch does.")
+    parser.add_argument("logs", nargs="+", metavar="LOG",
+                        help="a worker's log, or several workers' in one file")
+    parser.add_argument("--num_workers", type=int, default=None,
+                        help="workers in the job, to name those that left no "
+                        "report (default: the largest index seen + 1, or more "
+                        "when logs hold no report: one log per worker)")
+    args = parser.parse_args(argv)
+    try:
+        positions, silent = read_logs(args.logs)
+    except OSError as error:
+        print(f"{parser.prog}: {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
+    if not positions:
+        print(f"{parser.prog}: none of the {len(args.logs)} log(s) holds a "
+              "tfscale-flight line (a worker prints one when it fails with "
+              "collectives pending)", file=sys.stderr)
+        return 1
+    # One log per worker: a log without a report is a worker not seen (the
+    # one behind, often). A report is never left out.
+    num_workers = max(args.num_workers or len(positions) + len(silent),
+                      max(positions) + 1)
+    print(f"flight recorder: {summarize(positions, num_workers)}.")
+    for path in silent:
+        print(f"{path}: no tfscale-flight line")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ Three things separate it from stock MWMS:
 
 import atexit
 import os
+import socket
 import sys
 
 from absl import logging
@@ -37,6 +38,7 @@ from tfscale import uneven_data
 from tfscale import fit_hooks
 from tfscale import optimizers
 from tfscale import startup
+from tfscale import timeline
 from tfscale._validation import is_number
 from tfscale.collectives.options import CommunicationOptions
 
@@ -323,6 +325,9 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         keras_hooks.route_optimizer_updates(_gradient_reducer)
         self._preemption = preemption.PreemptionWatch(self.worker_index,
                                                       self.num_workers)
+        if communication.timeline is not None:
+            _write_timeline_at_exit(self._flight_recorder, communication.timeline,
+                                    collectives.timeline_stamps.clock_offset(self._gather))
 
     def _install_all_reduce(self):
         """Routes dense all-reduces through tfscale's fused collectives."""
@@ -342,7 +347,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         self._implementation = collectives.implementation.resolve(
             communication.implementation, accessors.local_devices(self)[0])
         self._flight_recorder = collectives.flight_recorder.FlightRecorder(
-            accessors.local_devices(self)[0], self.worker_index)
+            accessors.local_devices(self)[0], self.worker_index,
+            timeline=communication.timeline is not None)
         _report_at_exit(self._flight_recorder)
         self._algorithm = communication.algorithm or (
             collectives.implementation.default_algorithm(
@@ -425,14 +431,25 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         """Sums `grads` (of `variables`) over the workers in replica context:
         through PowerSGD under `compression="powersgd"`, else as any dense
         all-reduce."""
-        with self._flight_recorder.context(
+        recorder = self._flight_recorder
+        with recorder.context(
                 step=optimizer.iterations, purpose="gradients",
                 variable_names=[v.path for v in variables]):
+            recorder.since_step("forward+backward", grads)
             if self._powersgd is not None:
-                return self._powersgd.all_reduce(
+                summed = self._powersgd.all_reduce(
                     list(grads), optimizer, variables, optimizer.iterations)
-            return tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, list(grads))
+            else:
+                summed = tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, list(grads))
+            recorder.until_step_end("optimizer update", summed)
+            return summed
+
+    def _gather(self, value):
+        """Every worker's float `value`, chief first (eager; a collective)."""
+        values = self.experimental_distribute_values_from_function(
+            lambda _: tf.constant([value], tf.float64))
+        return self.gather(values, axis=0).numpy()
 
     def _sum_over_workers(self, tensors):
         """Sums `tensors` over all workers, fused as any all-reduce, with no
@@ -560,6 +577,23 @@ def _flight_report_at_exit():
                 recorder.dump(directory)
         except Exception as error:  # at exit: say it, never mask the real failure
             print(f"tfscale flight recorder: no report ({error})", file=sys.stderr)
+
+
+def _write_timeline_at_exit(recorder, directory, clock_offset_seconds):
+    """At exit, this worker's spans and collectives go to
+    `directory`/worker-I.json (`tfscale.timeline`)."""
+    def write():
+        try:
+            path = timeline.write(
+                os.path.join(directory, f"worker-{recorder.worker}.json"),
+                timeline.worker_trace(recorder.worker, recorder.stamps.records(),
+                                      recorder.records(), clock_offset_seconds,
+                                      socket.gethostname()))
+            print(f"tfscale timeline: {path}", file=sys.stderr, flush=True)
+        except Exception as error:  # at exit: say why, never raise
+            print(f"tfscale timeline: not written ({error})", file=sys.stderr)
+
+    atexit.register(write)
 
 
 def _gradient_reducer(strategy):

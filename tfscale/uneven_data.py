@@ -137,7 +137,8 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None,
         note: `None`, or `fn(**fields)` returning a context manager inside
             which the step's collectives are traced
             (`FlightRecorder.context`): told the step (the optimizer's
-            `iterations` of a train step) and what runs.
+            `iterations` of a train step) and what runs, and the step's
+            span of the timeline.
         preemption: `None`, or the `tfscale.preemption.PreemptionWatch` whose
             request the step's all-reduce carries (train steps and custom
             loops always issue that all-reduce then, even without a loss
@@ -167,6 +168,9 @@ def counting_examples(fn, keras_step=None, model=None, on_cpu=True, note=None,
         optimizer = getattr(model, "optimizer", None)
         described = dict(purpose=f"Keras {keras_step} step" if keras_step
                          else "strategy.run")
+        # The step's span of the timeline, if it is on (`FlightRecorder.context`).
+        described.update(span=f"{keras_step} step" if keras_step else "strategy.run",
+                         lane="step", after=(args, kwargs))
         if keras_step == "train" and optimizer is not None:
             described["step"] = optimizer.iterations
         try:

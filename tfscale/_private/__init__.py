@@ -1,10 +1,10 @@
 """Every private TensorFlow/Keras API that tfscale uses, and nothing else.
 
 The bottom layer of tfscale: it imports nothing of tfscale; what it needs
-(key ranges, reducers, predicates) is passed in. Three modules:
+(key ranges, reducers, predicates) is passed in. Four modules:
 `tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
 `keras_hooks` (Keras's methods routed), `accessors` (state with no public
-accessor).
+accessor), `graph_order` (where `tf.function` places timestamps).
 
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
@@ -109,6 +109,12 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   per worker instead of TensorFlow's thread per timed op
   (`tfscale.collectives.watchdog`). tests/test_watchdog.py,
   test_a_stalled_worker_fails_the_others_after_the_timeout.
+- `auto_control_deps.ASYNC_STATEFUL_OPS` (`graph_order.unorder_timestamps`):
+  with the timeline on, `tf.timestamp` joins the ops `tf.function` does not
+  run in program order, so that a stamp after one bucket's result holds back
+  no later bucket. tests/test_timeline.py,
+  test_the_hook_lets_timestamps_run_where_their_inputs_put_them (and the
+  4-worker test, whose spans nest).
 - `control_flow_util.GraphOrParentsInXlaContext` (`in_xla_context`): whether
   the function being traced is compiled by XLA (`jit_compile=True`), as MWMS
   asks it to choose between merge_call and not; XLA has no kernel for

@@ -24,6 +24,7 @@ from tfscale.collectives import flight_recorder
 from tfscale.collectives import fusion
 from tfscale.collectives import implementation
 from tfscale.collectives import powersgd
+from tfscale.collectives import timeline_stamps
 from tfscale.collectives import topology
 from tfscale.collectives import watchdog
 from tfscale.collectives.algorithms import Groups

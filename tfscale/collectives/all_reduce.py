@@ -90,7 +90,8 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
         note: `None`, or `fn(**fields)` returning a context manager inside
             which each bucket's collectives are traced, told the bucket's
             number, the bucket count, its algorithm and the `indices` of its
-            tensors in the order given (`FlightRecorder.context`).
+            tensors in the order given (`FlightRecorder.context`); and, as
+            spans of the timeline, the bucket and each of its stages.
 
     Returns:
         The summed tensors, in the order given.
@@ -100,22 +101,29 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
     def max_all_reduce(value):
         return groups.world.all_reduce(value, merge_op="Max")
 
+    def span(name, after, **fields):  # a span of the timeline, if it is on
+        return note(span=name, after=after, **fields) if note else contextlib.nullcontext()
+
     results = [None] * len(tensors)
     for number, bucket in enumerate(buckets):
-        described = (note(bucket=number, buckets=len(buckets), algorithm=bucket.algorithm,
-                          indices=list(bucket.indices))
-                     if note else contextlib.nullcontext())
-        with described:
-            buffer, shapes = fusion.pack([tensors[i] for i in bucket.indices])
-            wire, context = compression_lib.compress(
-                buffer, compression if bucket.wire_dtype != bucket.dtype else None,
-                num_workers, max_all_reduce,
-            )
-            reduce_buffer = algorithms.BUFFER_ALGORITHMS[bucket.algorithm]
-            reduced = compression_lib.decompress(
-                reduce_buffer(wire, groups, bucket.num_chunks), context
-            )
-        for i, tensor in zip(bucket.indices, fusion.unpack(reduced, shapes)):
+        inputs = [tensors[i] for i in bucket.indices]
+        compressing = compression if bucket.wire_dtype != bucket.dtype else None
+        with span(f"bucket {number}", inputs, lane=f"bucket {number}", bucket=number,
+                  buckets=len(buckets), algorithm=bucket.algorithm,
+                  indices=list(bucket.indices)):
+            with span("fuse", inputs):
+                buffer, shapes = fusion.pack(inputs)
+            with span("compress", buffer) if compressing else contextlib.nullcontext():
+                wire, context = compression_lib.compress(
+                    buffer, compressing, num_workers, max_all_reduce)
+            with span(bucket.algorithm, wire):
+                reduced = algorithms.BUFFER_ALGORITHMS[bucket.algorithm](
+                    wire, groups, bucket.num_chunks)
+            with span("decompress", reduced) if compressing else contextlib.nullcontext():
+                reduced = compression_lib.decompress(reduced, context)
+            with span("unpack", reduced):
+                pieces = fusion.unpack(reduced, shapes)
+        for i, tensor in zip(bucket.indices, pieces):
             results[i] = tensor
     return results
 
@@ -220,8 +228,10 @@ class AllReduce:
         self._log(buckets)
         last = len(tensors) - 1
 
-        def note(indices, **fields):  # indices in the order given to us
-            return self.note(indices=[last - i for i in indices], **fields)
+        def note(indices=None, **fields):  # indices in the order given to us
+            if indices is not None:
+                fields["indices"] = [last - i for i in indices]
+            return self.note(**fields)
 
         def reduce_fn(backward):
             return fused_all_reduce(

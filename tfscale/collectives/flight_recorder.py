@@ -37,6 +37,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale import flight_report
+from tfscale._private import accessors
+from tfscale._private import graph_order
+from tfscale.collectives import timeline_stamps
 from tfscale.flight_report import LINE_PREFIX
 from tfscale.flight_report import describe
 
@@ -45,6 +48,8 @@ CAPACITY = 512
 DUMP_ENV = "TFSCALE_FLIGHT_RECORDER"
 # Columns of a row of `rows` (completion times are kept apart, see __init__).
 _SITE, _STEP, _SEQUENCE, _ISSUED = range(4)
+# What `context` takes to open a span of the timeline, not to describe.
+_SPAN_KEYS = ("span", "lane", "after")
 
 
 class FlightRecorder:
@@ -54,9 +59,12 @@ class FlightRecorder:
         device: this worker's device, where the rows live.
         worker: this worker's index (in reports).
         capacity: rows kept.
+        timeline: also stamp when each collective completed and each span
+            of a step began and ended (`timeline_stamps`), for
+            `CommunicationOptions(timeline=...)`.
     """
 
-    def __init__(self, device, worker, capacity=CAPACITY):
+    def __init__(self, device, worker, capacity=CAPACITY, timeline=False):
         self.worker = worker
         self.capacity = capacity
         self.sites = []  # descriptions of the call sites, by site id
@@ -74,21 +82,92 @@ class FlightRecorder:
             self.completed_at = tf.Variable(
                 tf.fill([capacity], tf.constant(-1.0, tf.float64)), trainable=False,
                 name="flight_recorder_completed")
+        self.stamps = None
+        if timeline:
+            graph_order.unorder_timestamps()
+            self.stamps = timeline_stamps.TimelineStamps(device)
+            with tf.device(device), tf.init_scope():
+                self.completed_time = tf.Variable(
+                    tf.fill([capacity], tf.constant(-1.0, tf.float64)), trainable=False,
+                    name="flight_recorder_completed_time")
         self.reported = False
 
     @contextlib.contextmanager
-    def context(self, **fields):
+    def context(self, span=None, lane=None, after=(), **fields):
         """Describes the collectives traced inside it (`step`: a scalar tensor,
-        the training step, recorded when each runs; the rest: descriptions)."""
+        the training step, recorded when each runs; the rest: descriptions).
+
+        With the timeline on, `span` also names a span of it, drawn in `lane`
+        (default: the enclosing span's), that starts once `after` are ready
+        and ends once all traced inside it has run (`timeline_stamps`).
+        """
+        opened = None
+        if span is not None and self.stamps is not None and not accessors.in_xla_context():
+            parent = self._span()
+            enclosing = self._enclosing(fields)
+            lane = lane or (parent.lane if parent else span)
+            if lane.startswith("bucket ") and enclosing.get("purpose") != "gradients":
+                # Buckets of other all-reduces share one lane of their own.
+                lane = enclosing.get("purpose") or "other all-reduces"
+            step = enclosing.get("step")
+            opened = self.stamps.open(
+                span, lane, parent if parent and parent.lane == lane else None,
+                after=_tensors(after) + ([parent.start] if parent else []),
+                step=None if step is None else tf.cast(step, tf.float64),
+                fields={k: v for k, v in fields.items() if k != "step"})
         stack = self._stack()
-        stack.append(fields)
+        stack.append(dict(fields, _span=opened) if opened else fields)
         try:
             yield
         finally:
             stack.pop()
+        if opened is not None:
+            parent = self._span()
+            end = self.stamps.close(opened, parent if parent and parent.lane == opened.lane
+                                    else None)
+            for name, lane, start in opened.ends_with:
+                self.stamps.write(name, lane, start, end, opened.step)
 
     def _stack(self):
         return self._contexts
+
+    def _enclosing(self, fields):
+        """The fields of the contexts open, the innermost's winning, and `fields`."""
+        merged = {}
+        for each in self._stack() + [fields]:
+            merged.update(each)
+        return merged
+
+    def _span(self):
+        """The innermost span open, or None."""
+        for fields in reversed(self._stack()):
+            if fields.get("_span") is not None:
+                return fields["_span"]
+        return None
+
+    def _step_span(self):
+        """The outermost span open (the step's), or None."""
+        spans = [f["_span"] for f in self._stack() if f.get("_span") is not None]
+        return spans[0] if spans else None
+
+    def since_step(self, name, after):
+        """With the timeline on, inside a step: a span `name` in a lane of
+        its own from the step's start to when `after` are ready (so
+        "forward+backward" ends where the gradients are)."""
+        step = self._step_span()
+        if step is None or accessors.in_xla_context():
+            return
+        end = self.stamps.stamp(_tensors(after) + [step.start])
+        self.stamps.write(name, name, step.start, end, step.step)
+
+    def until_step_end(self, name, after):
+        """With the timeline on, inside a step: a span `name` in a lane of
+        its own from when `after` are ready to the step's end (so "optimizer
+        update" starts where the gradients are summed)."""
+        step = self._step_span()
+        if step is None or accessors.in_xla_context():
+            return
+        step.ends_with.append((name, name, self.stamps.stamp(_tensors(after) + [step.start])))
 
     def site(self, description):
         """(site id, step tensor or None) of a collective traced now."""
@@ -97,8 +176,11 @@ class FlightRecorder:
             for name, value in fields.items():
                 if name == "step":
                     step = value
-                else:
+                elif name != "_span":
                     merged[name] = value
+        span = self._span()
+        if span is not None:
+            merged.update(lane=span.lane, span=span.name)
         merged.update(description)
         self.sites.append(_describe_variables(merged))
         return len(self.sites) - 1, step
@@ -108,24 +190,41 @@ class FlightRecorder:
         site, step = self.site(description)
         step = tf.constant(-1.0, tf.float64) if step is None else tf.cast(step, tf.float64)
         slot = tf.math.floormod(sequence - 1, self.capacity)
+        if self.stamps is None:
+            # In program order after the stamps traced before it: waiting for
+            # `sequence` too would hold back every later stateful op of that
+            # order, such as a caller's own timestamps.
+            issued = tf.timestamp()
+        else:
+            # Issued once its inputs are (`sequence` waits for them), inside
+            # its span; timestamps are not in program order then.
+            span = self._span()
+            issued = timeline_stamps.TimelineStamps.stamp(
+                [sequence] + ([span.last_stamp] if span is not None else []))
         row = tf.stack([tf.constant(float(site), tf.float64), step,
-                        tf.cast(sequence, tf.float64), tf.timestamp()])
+                        tf.cast(sequence, tf.float64), issued])
         # The slot's completion mark stays an older collective's until this
         # one completes (`records` compares the sequence numbers).
         return self.rows.scatter_nd_update(tf.reshape(slot, [1, 1]), row[None])
 
     def completed(self, sequence):
-        """The op marking collective number `sequence` completed."""
-        slot = tf.math.floormod(sequence - 1, self.capacity)
+        """The op marking collective number `sequence` completed (call it
+        under a control dependency on its results); with the timeline on,
+        also when."""
+        slot = tf.reshape(tf.math.floormod(sequence - 1, self.capacity), [1, 1])
+        if self.stamps is not None:
+            self.completed_time.scatter_nd_update(slot, tf.timestamp()[None])
         return self.completed_at.scatter_nd_update(
-            tf.reshape(slot, [1, 1]), tf.cast(sequence, tf.float64)[None])
+            slot, tf.cast(sequence, tf.float64)[None])
 
     def records(self):
         """This worker's recorded collectives, oldest first: dicts of the
         site's description and `step`, `sequence`, `issued` (Unix seconds)
         and `completed` (True or False)."""
-        rows = np.concatenate([self.rows.numpy(), self.completed_at.numpy()[:, None]],
-                              axis=1)
+        columns = [self.rows.numpy(), self.completed_at.numpy()[:, None]]
+        if self.stamps is not None:
+            columns.append(self.completed_time.numpy()[:, None])
+        rows = np.concatenate(columns, axis=1)
         rows = rows[rows[:, _SEQUENCE] >= 0]
         result = []
         for row in rows[np.argsort(rows[:, _SEQUENCE])]:
@@ -135,7 +234,9 @@ class FlightRecorder:
                 sequence=int(row[_SEQUENCE]),
                 step=int(row[_STEP]) if row[_STEP] >= 0 else None,
                 issued=float(row[_ISSUED]),
-                completed=bool(row[-1] == row[_SEQUENCE]))
+                completed=bool(row[_ISSUED + 1] == row[_SEQUENCE]))
+            if self.stamps is not None and record["completed"]:
+                record["completed_time"] = float(row[_ISSUED + 2])
             result.append(record)
         return result
 
@@ -185,6 +286,12 @@ class FlightRecorder:
                       default=str, indent=1)
         os.replace(path + ".tmp", path)
         return path
+
+
+def _tensors(values):
+    """The tensors and ops of a nest (other values dropped)."""
+    return [v for v in tf.nest.flatten(values, expand_composites=True)
+            if isinstance(v, (tf.Tensor, tf.Operation))]
 
 
 def _describe_variables(description):

@@ -4,6 +4,7 @@ is), frozen, and serializable (`get_config`, `from_config`)."""
 
 import dataclasses
 import math
+import os
 
 import tensorflow as tf
 
@@ -180,6 +181,18 @@ class CommunicationOptions:
             chosen. See `tfscale.collectives.implementation`. The NCCL path
             has been traced and checked on CPU, not run on a GPU by tfscale's
             tests; `tfscale-bench gpucheck` checks it on your GPUs.
+        timeline: `None`, or a directory where each worker writes
+            `worker-I.json` at exit: its last steps as a Chrome / Perfetto
+            trace (the step, forward+backward, each bucket's stages and
+            collectives, the optimizer update; `tfscale.timeline`, which
+            also merges the workers' files). Needs `timeout_seconds` (the
+            flight recorder's watchdog stamps the collectives). Costs two
+            timestamps and a small variable write per span; for the whole
+            process, `tf.timestamp` in a `tf.function` is then no longer
+            ordered after the stateful ops traced before it
+            (`tfscale._private.graph_order`), so `time_all_reduces`' exposed
+            communication (and `StragglerReport`'s compute times) add up
+            all-reduces that overlap: not comparable with a run without it.
     """
 
     algorithm: str | None = None
@@ -192,6 +205,7 @@ class CommunicationOptions:
     time_all_reduces: bool = True
     powersgd: PowerSGDOptions | None = None
     implementation: str = "auto"
+    timeline: str | None = None
 
     # (field, allowed values, whether None is allowed) of each choice.
     _CHOICES = (
@@ -258,6 +272,17 @@ class CommunicationOptions:
                 f"Received: powersgd={self.powersgd!r}")
         if self.timeout_seconds is not None:
             object.__setattr__(self, "timeout_seconds", float(self.timeout_seconds))
+        if self.timeline is not None:
+            if not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline):
+                raise TypeError(
+                    "Argument `timeline` must be None or a directory path. "
+                    f"Received: timeline={self.timeline!r}")
+            if self.timeout_seconds is None:
+                raise ValueError(
+                    "Argument `timeline` needs the flight recorder, which runs with "
+                    "`timeout_seconds` set; give both. Received: timeline="
+                    f"{self.timeline!r}, timeout_seconds=None")
+            object.__setattr__(self, "timeline", os.fspath(self.timeline))
 
     def get_config(self):
         config = {field.name: getattr(self, field.name)

@@ -1,0 +1,30 @@
+"""Where `tf.function` places `tf.timestamp` (a private TensorFlow list; see
+`tfscale._private`)."""
+
+from tensorflow.python.framework import auto_control_deps
+
+_TIMESTAMP = "Timestamp"
+
+
+def unorder_timestamps():
+    """Lets each `tf.timestamp` run where its control inputs put it.
+
+    `tf.function` runs the stateful ops that touch no resource in program
+    order (`AutomaticControlDependencies`, "stateful ops are in program
+    order"), and `Timestamp` is one: a stamp taken after bucket 0's result
+    would hold back every stamp, and so every collective whose flight-record
+    row holds one, traced after it, and the buckets would no longer overlap
+    backprop or each other. Listed with the asynchronous collectives
+    (`ASYNC_STATEFUL_OPS`), a stamp depends on what its control inputs say,
+    and still runs where a variable write consumes it. For the whole
+    process: a user's own `tf.timestamp` in a `tf.function` is no longer
+    ordered after the stateful ops traced before it.
+    """
+    if not isinstance(getattr(auto_control_deps, "ASYNC_STATEFUL_OPS", None), frozenset):
+        raise RuntimeError(
+            "tensorflow.python.framework.auto_control_deps.ASYNC_STATEFUL_OPS is "
+            "gone: this TensorFlow is not the tested one (tfscale._private."
+            "TESTED_VERSIONS); the timeline cannot place its stamps.")
+    if _TIMESTAMP not in auto_control_deps.ASYNC_STATEFUL_OPS:
+        auto_control_deps.ASYNC_STATEFUL_OPS = (
+            auto_control_deps.ASYNC_STATEFUL_OPS | {_TIMESTAMP})
