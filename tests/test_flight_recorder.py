@@ -87,6 +87,23 @@ def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tm
     assert quotes, run.output[-5000:]  # where TensorFlow's error says so
 
 
+@pytest.mark.multiworker
+def test_a_worker_that_builds_another_model_is_told_which_variable(tmp_path):
+    # Worker 1's first layer has 17 units: the chief's broadcast of the first
+    # variable's initial value (MWMS's) brings [8, 16] to its [8, 17].
+    run = run_workers("flight_worker.py", 2, tmp_path, args=["other_model"],
+                      timeout=240)
+    assert run.returncode != 0
+    said = re.findall(r"WorkersDisagreeError: (Worker \d could not create its variable "
+                      r"1 \('kernel'\) together with the other workers \([^\n]*)",
+                      run.output)
+    assert said, run.output[-5000:]
+    assert all(s.endswith("Every worker must build the same model under the "
+                          "strategy's scope: the same layers, with the same shapes, "
+                          "created in the same order.") for s in said), said
+    assert any("17" in s and "16" in s for s in said), said  # both shapes, quoted
+
+
 def test_tensorflow_s_shape_mismatch_is_quoted():
     message = ("INTERNAL: Shape mismatch in the collective instance 113. Op at device "
                "/job:worker/replica:0/task:2/device:CPU:0 expected shape [4320] but "

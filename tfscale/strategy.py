@@ -19,6 +19,7 @@ Three things separate it from stock MWMS:
 """
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -39,6 +40,7 @@ from tfscale import fit_hooks
 from tfscale import optimizers
 from tfscale import startup
 from tfscale import timeline
+from tfscale import variable_creation
 from tfscale._validation import is_number
 from tfscale.collectives.options import CommunicationOptions
 
@@ -325,6 +327,11 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         keras_hooks.route_optimizer_updates(_gradient_reducer)
         self._preemption = preemption.PreemptionWatch(self.worker_index,
                                                       self.num_workers)
+        # A worker whose model differs is named by its variable, and does
+        # not wait forever for a broadcast (`tfscale.variable_creation`).
+        self._creation_watch = variable_creation.CreationWatch(
+            self.worker_index, self.num_workers, communication.timeout_seconds,
+            tf_collectives.abort_collectives)
         if communication.timeline is not None:
             _write_timeline_at_exit(self._flight_recorder, communication.timeline,
                                     collectives.timeline_stamps.clock_offset(self._gather))
@@ -426,6 +433,13 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             if agreed is not None:
                 accessors.set_cardinality(distributed, agreed)
         return distributed
+
+    @contextlib.contextmanager
+    def scope(self):
+        """`tf.distribute.Strategy.scope`, in which every variable a worker
+        creates is watched (`tfscale.variable_creation`)."""
+        with super().scope() as scope, tf.variable_creator_scope(self._creation_watch):
+            yield scope
 
     def sum_gradients(self, grads, optimizer, variables):
         """Sums `grads` (of `variables`) over the workers in replica context:

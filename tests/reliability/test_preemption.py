@@ -93,8 +93,12 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tm
     assert saved.keys() == {0, 1}, output[-6000:]
     step = saved[0]
     assert saved[1] == step
-    assert STEPS_PER_EPOCH < signalled_at <= step <= signalled_at + 2, (
+    # Epoch 2 had begun (on a busy machine its first step may not have ended
+    # 0.3 s later: the SIGTERM then comes after step 30); the agreed save is
+    # the step after it, inside epoch 2, far from --checkpoint_steps.
+    assert STEPS_PER_EPOCH <= signalled_at <= step <= signalled_at + 2, (
         f"SIGTERM after step {signalled_at}, saved step {step}: steps lost")
+    assert step < 2 * STEPS_PER_EPOCH
     assert re.search(r"tfscale-launch: worker \d was preempted \(exit code 143: a "
                      r"SIGTERM, after every worker saved the same step\); stopped the "
                      r"other workers; restart 1 of 1", output), output[-6000:]

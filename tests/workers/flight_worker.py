@@ -3,7 +3,8 @@
 - `stop`: worker 1 stops itself (SIGSTOP) before batch 3, as a hung process;
 - `extra_step`: worker 0 runs one step more than the others;
 - `frozen_layer`: worker 1 freezes the last layer (`trainable = False`), so
-  its gradient buckets are not worker 0's.
+  its gradient buckets are not worker 0's;
+- `other_model`: worker 1 builds its first layer with 17 units, not 16.
 
 The collective timeout is short; the flight recorder reports where each
 worker is (tfscale.collectives.flight_recorder).
@@ -35,7 +36,8 @@ def main(scenario):
     x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int64")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+        units = 17 if scenario == "other_model" and worker_index() == 1 else 16
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(units),
                                   keras.layers.Dense(2)])
         if scenario == "frozen_layer" and worker_index() == 1:
             model.layers[-1].trainable = False

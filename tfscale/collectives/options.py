@@ -151,7 +151,10 @@ class CommunicationOptions:
             `tfscale.collectives.watchdog`). It must exceed the longest time one worker
             can legitimately run ahead of the others (the chief writing a
             checkpoint or an export, a slow first step while graphs are
-            built); `None` waits forever, as stock MWMS does.
+            built). It also bounds each variable's creation under the
+            strategy's scope, which waits for the chief's initial value
+            (`tfscale.variable_creation`). `None` waits forever, as stock
+            MWMS does.
         cost_model: a `tfscale.collectives.cost_model.CostModel` for the
             hybrid threshold and for how many chunks the hierarchical
             algorithms pipeline; `None`: its `DEFAULT`. Fit one to your
