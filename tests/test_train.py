@@ -126,13 +126,18 @@ def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_p
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
+def train_one_epoch_on_2_workers(tmp_path, *flags):
+    """tfscale-train on 2 workers: one epoch of SMALL, no export, and `flags`."""
+    return run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
+                "tfscale-train", "--epochs=1", *SMALL, "--export_dir=", *flags],
+               cwd=tmp_path, timeout=360)
+
+
 def test_timeline_flag_writes_every_step_of_each_worker(tmp_path):
     from tfscale import timeline
 
     traces = tmp_path / "timeline"
-    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
-                   "tfscale-train", "--epochs=1", *SMALL, "--export_dir=",
-                   f"--timeline={traces}"], cwd=tmp_path, timeout=360)
+    process = train_one_epoch_on_2_workers(tmp_path, f"--timeline={traces}")
     assert process.returncode == 0, process.stdout[-4000:]
     merged = json.loads(open(timeline.merge(str(traces))).read())
     steps = {(e["pid"], e["args"]["step"]) for e in merged["traceEvents"]
@@ -144,9 +149,7 @@ def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):
     import tensorflow as tf
 
     board = tmp_path / "board"
-    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
-                   "tfscale-train", "--epochs=1", *SMALL, "--export_dir=",
-                   f"--tensorboard_dir={board}"], cwd=tmp_path, timeout=360)
+    process = train_one_epoch_on_2_workers(tmp_path, f"--tensorboard_dir={board}")
     assert process.returncode == 0, process.stdout[-4000:]
     tags, values = {}, {}
     for event_file in board.iterdir():

@@ -333,8 +333,9 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             self.worker_index, self.num_workers, communication.timeout_seconds,
             tf_collectives.abort_collectives)
         if communication.timeline is not None:
-            _write_timeline_at_exit(self._flight_recorder, communication.timeline,
-                                    collectives.timeline_stamps.clock_offset(self._gather))
+            _report_at_exit(self._flight_recorder, timeline=(
+                communication.timeline,
+                collectives.timeline_stamps.clock_offset(self._gather)))
 
     def _install_all_reduce(self):
         """Routes dense all-reduces through tfscale's fused collectives."""
@@ -567,19 +568,22 @@ def _compile_loss_scale_class():
     return keras.optimizers.LossScaleOptimizer
 
 
+# (recorder, timeline) of the newest strategy: see `_report_at_exit`.
 _recorders_at_exit = []
 
 
-def _report_at_exit(recorder):
+def _report_at_exit(recorder, timeline=None):
     """At exit, the newest strategy's recorder reports if collectives were
-    left pending (a failed or hung job), and dumps to TFSCALE_FLIGHT_RECORDER."""
+    left pending (a failed or hung job), dumps to TFSCALE_FLIGHT_RECORDER,
+    and, given `timeline` (its directory, this worker's clock offset from
+    the chief's), writes this worker's timeline there (`tfscale.timeline`)."""
     if not _recorders_at_exit:
         atexit.register(_flight_report_at_exit)
-    _recorders_at_exit[:] = [recorder]
+    _recorders_at_exit[:] = [(recorder, timeline)]
 
 
 def _flight_report_at_exit():
-    for recorder in _recorders_at_exit:
+    for recorder, timeline_at in _recorders_at_exit:
         try:
             if recorder.pending() and not recorder.reported:
                 # The uncaught error that ends the process, if any.
@@ -591,23 +595,21 @@ def _flight_report_at_exit():
                 recorder.dump(directory)
         except Exception as error:  # at exit: say it, never mask the real failure
             print(f"tfscale flight recorder: no report ({error})", file=sys.stderr)
+        if timeline_at is not None:
+            _write_timeline(recorder, *timeline_at)
 
 
-def _write_timeline_at_exit(recorder, directory, clock_offset_seconds):
-    """At exit, this worker's spans and collectives go to
-    `directory`/worker-I.json (`tfscale.timeline`)."""
-    def write():
-        try:
-            path = timeline.write(
-                os.path.join(directory, f"worker-{recorder.worker}.json"),
-                timeline.worker_trace(recorder.worker, recorder.stamps.records(),
-                                      recorder.records(), clock_offset_seconds,
-                                      socket.gethostname()))
-            print(f"tfscale timeline: {path}", file=sys.stderr, flush=True)
-        except Exception as error:  # at exit: say why, never raise
-            print(f"tfscale timeline: not written ({error})", file=sys.stderr)
-
-    atexit.register(write)
+def _write_timeline(recorder, directory, clock_offset_seconds):
+    """This worker's spans and collectives to `directory`/worker-I.json."""
+    try:
+        path = timeline.write(
+            os.path.join(directory, f"worker-{recorder.worker}.json"),
+            timeline.worker_trace(recorder.worker, recorder.stamps.records(),
+                                  recorder.records(), clock_offset_seconds,
+                                  socket.gethostname()))
+        print(f"tfscale timeline: {path}", file=sys.stderr, flush=True)
+    except Exception as error:  # at exit: say why, never raise
+        print(f"tfscale timeline: not written ({error})", file=sys.stderr)
 
 
 def _gradient_reducer(strategy):

@@ -48,8 +48,6 @@ CAPACITY = 512
 DUMP_ENV = "TFSCALE_FLIGHT_RECORDER"
 # Columns of a row of `rows` (completion times are kept apart, see __init__).
 _SITE, _STEP, _SEQUENCE, _ISSUED = range(4)
-# What `context` takes to open a span of the timeline, not to describe.
-_SPAN_KEYS = ("span", "lane", "after")
 
 
 class FlightRecorder:

@@ -72,9 +72,10 @@ class TimelineStamps:
             return tf.timestamp()
 
     def open(self, name, lane, parent, after=(), step=None, fields=None):
-        """A `Span` starting once `after` are ready (and after its parent's
-        start and its elder sibling's end)."""
-        chained = [parent.start, parent.last_stamp] if parent is not None else []
+        """A `Span` starting once `after` are ready and, given its `parent`
+        in the same lane, after the parent's newest stamp (its start, or its
+        elder child's end)."""
+        chained = [parent.last_stamp] if parent is not None else []
         start = self.stamp(list(tf.nest.flatten(after)) + chained)
         if parent is not None:
             parent.last_stamp = start
@@ -82,11 +83,11 @@ class TimelineStamps:
                     operations_before=len(tf.compat.v1.get_default_graph().get_operations()),
                     last_stamp=start, fields=dict(fields or {}))
 
-    def close(self, span, parent=None, also_after=()):
-        """Stamps the end of `span`, once every op traced inside it has run
-        (and `also_after`), and writes its row; returns the end stamp."""
+    def close(self, span, parent=None):
+        """Stamps the end of `span`, once every op traced inside it has run,
+        and writes its row; returns the end stamp."""
         inside = tf.compat.v1.get_default_graph().get_operations()[span.operations_before:]
-        end = self.stamp(inside + [span.last_stamp] + list(tf.nest.flatten(also_after)))
+        end = self.stamp(inside + [span.last_stamp])
         if parent is not None:
             parent.last_stamp = end
         self.write(span.name, span.lane, span.start, end, span.step, span.fields)
