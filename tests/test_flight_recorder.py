@@ -140,3 +140,28 @@ def test_the_summary_names_who_waits_and_who_is_behind():
     line = "[worker 1] " + flight_report.LINE_PREFIX + '{"worker": 1, "pending": null}'
     assert flight_report.parse(line) == {"worker": 1, "pending": None}
     assert flight_report.parse("tfscale-flight {not json") is None
+
+
+def test_the_pending_collective_reported_is_the_first_traced_of_the_oldest_step():
+    # Sequence numbers count collectives as their inputs become ready: a
+    # scalar all-reduce traced after a gradient bucket on the same group is
+    # counted first, yet waits behind the bucket (one group runs its
+    # collectives in the order traced). The bucket is what every worker waits on.
+    import tensorflow as tf
+    from tfscale.collectives import flight_recorder
+
+    recorder = flight_recorder.FlightRecorder("/CPU:0", worker=0)
+    with recorder.context(step=tf.constant(4), purpose="gradients", bucket=0, buckets=2):
+        bucket_site = recorder.site({"op": "all_reduce"})[0]
+    scalar_site = recorder.site({"op": "all_reduce", "elements": 1})[0]
+    step_site = recorder.site({"op": "all_reduce", "purpose": "examples per worker"})[0]
+    rows = [(1, step_site, 4.0, True), (2, scalar_site, -1.0, False),
+            (3, bucket_site, 4.0, False)]
+    for sequence, site, step, completed in rows:
+        recorder.rows.scatter_nd_update([[sequence - 1]], [[site, step, sequence, 100.0]])
+        if completed:
+            recorder.completed(tf.constant(sequence, tf.int64))
+    position = recorder.position()
+    assert position["pending"]["site"] == bucket_site, position
+    assert position["pending"]["step"] == 4 and position["pending"]["bucket"] == 0
+    assert position["completed"]["sequence"] == 1

@@ -167,3 +167,39 @@ def test_plot_draws_a_step(tmp_path):
     with pytest.raises(ValueError, match="has no span of step 9"):
         timeline.plot(path, 9, str(png))
 
+
+
+def _step_with_two_buckets(step, start, backprop_ms, bucket_starts_ms, bucket_ends_ms):
+    spans = [dict(name="train step", lane="step", step=step, start=start, end=start + 0.1),
+             dict(name="forward+backward", lane="forward+backward", step=step, start=start,
+                  end=start + backprop_ms / 1e3)]
+    calls = []
+    for number, (begin, end) in enumerate(zip(bucket_starts_ms, bucket_ends_ms)):
+        spans.append(dict(name=f"bucket {number}", lane=f"bucket {number}", step=step,
+                          start=start + begin / 1e3 - 0.001, end=start + end / 1e3))
+        calls.append(dict(op="all_reduce", group=1, group_size=2, step=step,
+                          lane=f"bucket {number}", issued=start + begin / 1e3,
+                          completed=True, completed_time=start + end / 1e3 - 0.001))
+    return spans, calls
+
+
+def test_summary_gives_the_medians_after_the_skipped_steps(tmp_path, capsys):
+    spans, calls = [], []
+    # Step 0 (skipped) is slow; steps 1-3: backprop ends at 60 ms, buckets
+    # start at 20 and 50 + step ms and the last ends at 80 + step ms.
+    for step in range(4):
+        slow = 500 if step == 0 else 0
+        more = _step_with_two_buckets(step, 1000.0 + step, 60, (20, 50 + step + slow),
+                                      (70, 80 + step + slow))
+        spans += more[0]
+        calls += more[1]
+    timeline.write(str(tmp_path / "worker-0.json"),
+                   timeline.worker_trace(0, spans, calls, 0.0, "a"))
+    path = timeline.merge(str(tmp_path))
+    medians, line = timeline.summary(path, skip_steps=1)
+    assert medians["steps"] == [1, 2, 3] and medians["workers"] == [0]
+    assert medians["step_ms"] == pytest.approx(100.0)
+    assert medians["after_backprop_ms"] == pytest.approx(22.0)  # 80 + 2 - 60
+    assert medians["bucket_start_spread_ms"] == pytest.approx(32.0)  # 50 + 2 - 20
+    assert timeline.main(["summary", path, "--skip_steps", "1"]) == 0
+    assert "steps 1-3 of 1 worker(s)" in capsys.readouterr().out

@@ -16,7 +16,12 @@ started (none on the chief's host, which shares its clock), and
 
     python -m tfscale.timeline plot DIR/timeline.json --step 5 -o step.png
 
-draws one step of every worker. The format: the Trace Event Format
+draws one step of every worker;
+
+    python -m tfscale.timeline summary DIR/timeline.json
+
+prints the medians of the step, of the communication left after
+forward+backward, and of the spread of the buckets' starts. The format: the Trace Event Format
 (Google, "Trace Event Format", 2016: complete events `"ph": "X"`, times in
 microseconds); lanes as in Horovod's timeline (one row per tensor there, per
 bucket here). This module needs no TensorFlow.
@@ -176,6 +181,83 @@ def merge(directory, output=None):
     return write(output or os.path.join(directory, MERGED), merged)
 
 
+def _read(path):
+    """The complete events of a merged trace, and {(pid, tid): lane name}."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "thread_name"}
+    return [e for e in events if e.get("ph") == "X"], lanes
+
+
+def step_times(path):
+    """Per worker and step of the merged trace at `path`, in milliseconds:
+    the step; the communication left after forward+backward (from its end to
+    the last bucket's end); and how far apart the buckets started (from the
+    first bucket's first collective to the last bucket's first). A list of
+    dicts with worker, step, step_ms, after_backprop_ms, bucket_start_spread_ms
+    (None where the trace lacks the spans)."""
+    events, lanes = _read(path)
+    steps = {}
+    for e in events:
+        number = e["args"].get("step")
+        if number is None:
+            continue
+        lane = lanes.get((e["pid"], e["tid"]), "")
+        record = steps.setdefault((e["pid"], number), {"first_issue": {}})
+        end = e["ts"] + e["dur"]
+        if lane == "step":
+            record["step"] = e["dur"]
+        elif lane == "forward+backward":
+            record["backprop_end"] = end
+        elif lane.startswith("bucket ") and e["name"] == lane:
+            record["buckets_end"] = max(record.get("buckets_end", end), end)
+        elif lane.startswith("bucket ") and " collectives" in lane:
+            bucket = lane.partition(" collectives")[0]
+            first = record["first_issue"]
+            first[bucket] = min(first.get(bucket, e["ts"]), e["ts"])
+    result = []
+    for (worker, number), record in sorted(steps.items()):
+        first = record["first_issue"].values()
+        after = (record["buckets_end"] - record["backprop_end"]
+                 if "buckets_end" in record and "backprop_end" in record else None)
+        result.append(dict(
+            worker=worker, step=number,
+            step_ms=record["step"] / 1e3 if "step" in record else None,
+            after_backprop_ms=None if after is None else after / 1e3,
+            bucket_start_spread_ms=(max(first) - min(first)) / 1e3 if first else None))
+    return result
+
+
+def summary(path, skip_steps=3):
+    """The medians of `step_times` over every worker's steps after its first
+    `skip_steps` (tracing, warm-up), as a dict; and a line saying them."""
+    rows = step_times(path)
+    if not rows:
+        raise ValueError(f"The trace {path} has no step spans.")
+    first = min(r["step"] for r in rows) + skip_steps
+    kept = [r for r in rows if r["step"] >= first]
+    if not kept:
+        raise ValueError(f"The trace {path} has no step after its first {skip_steps}.")
+    medians = {}
+    for key in ("step_ms", "after_backprop_ms", "bucket_start_spread_ms"):
+        values = sorted(r[key] for r in kept if r[key] is not None)
+        medians[key] = (values[len(values) // 2] if len(values) % 2
+                        else sum(values[len(values) // 2 - 1:len(values) // 2 + 1]) / 2
+                        ) if values else None
+    medians.update(steps=sorted({r["step"] for r in kept}),
+                   workers=sorted({r["worker"] for r in kept}))
+
+    def ms(value):
+        return "-" if value is None else f"{value:.1f} ms"
+
+    line = (f"steps {medians['steps'][0]}-{medians['steps'][-1]} of "
+            f"{len(medians['workers'])} worker(s), medians: step {ms(medians['step_ms'])}; "
+            f"communication after forward+backward {ms(medians['after_backprop_ms'])}; "
+            f"first and last bucket started {ms(medians['bucket_start_spread_ms'])} apart")
+    return medians, line
+
+
 def plot(path, step, output):
     """Draws `step` of every worker of the merged trace at `path` to the
     PNG `output`: a row per worker and lane, a bucket's collectives as thin
@@ -184,11 +266,8 @@ def plot(path, step, output):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e["name"] == "thread_name"}
-    chosen = [e for e in events if e.get("ph") == "X" and e["args"].get("step") == step]
+    events, lanes = _read(path)
+    chosen = [e for e in events if e["args"].get("step") == step]
     if not chosen:
         raise ValueError(f"The trace {path} has no span of step {step}.")
     origin = min(e["ts"] for e in chosen)
@@ -241,10 +320,18 @@ def main(argv=None):
     plotting.add_argument("path")
     plotting.add_argument("--step", type=int, required=True)
     plotting.add_argument("-o", "--output", required=True)
+    summarizing = commands.add_parser(
+        "summary", help="medians of the step, the communication left after "
+        "forward+backward, and the spread of the buckets' starts")
+    summarizing.add_argument("path")
+    summarizing.add_argument("--skip_steps", type=int, default=3,
+                             help="each worker's first steps left out (tracing, warm-up)")
     args = parser.parse_args(argv)
     try:
         if args.command == "merge":
             print(f"merged timeline: {merge(args.directory, args.output)}")
+        elif args.command == "summary":
+            print(summary(args.path, args.skip_steps)[1])
         else:
             print(f"plot: {plot(args.path, args.step, args.output)}")
     except (OSError, ValueError) as error:

@@ -4,7 +4,8 @@ The bottom layer of tfscale: it imports nothing of tfscale; what it needs
 (key ranges, reducers, predicates) is passed in. Four modules:
 `tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
 `keras_hooks` (Keras's methods routed), `accessors` (state with no public
-accessor), `graph_order` (where `tf.function` places timestamps).
+accessor), `graph_order` (where `tf.function` places timestamps and
+bookkeeping ops).
 
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
@@ -115,6 +116,12 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   no later bucket. tests/test_timeline.py,
   test_the_hook_lets_timestamps_run_where_their_inputs_put_them (and the
   4-worker test, whose spans nest).
+- `Graph.experimental_acd_manager.run_independently`
+  (`graph_order.unordered`): the watchdog's fetch-and-add of its counter
+  and the flight recorder's issue stamp and row run once their inputs are
+  ready, not in program order after the bookkeeping of earlier collectives,
+  so that no gradient bucket waits for the previous one's completion or
+  for the last gradient. tests/test_collective_order.py.
 - `control_flow_util.GraphOrParentsInXlaContext` (`in_xla_context`): whether
   the function being traced is compiled by XLA (`jit_compile=True`), as MWMS
   asks it to choose between merge_call and not; XLA has no kernel for

@@ -1,7 +1,9 @@
-"""Where `tf.function` places `tf.timestamp` (a private TensorFlow list; see
-`tfscale._private`)."""
+"""Where `tf.function` places tfscale's bookkeeping ops: `tf.timestamp` (a
+private TensorFlow list) and ops marked to run independently (a private
+method of the graph's automatic control dependencies); see `tfscale._private`."""
 
 from tensorflow.python.framework import auto_control_deps
+from tensorflow.python.framework import ops
 
 _TIMESTAMP = "Timestamp"
 
@@ -28,3 +30,19 @@ def unorder_timestamps():
     if _TIMESTAMP not in auto_control_deps.ASYNC_STATEFUL_OPS:
         auto_control_deps.ASYNC_STATEFUL_OPS = (
             auto_control_deps.ASYNC_STATEFUL_OPS | {_TIMESTAMP})
+
+
+def unordered(value):
+    """`value`, whose op `tf.function` runs once its inputs are ready rather
+    than in program order among the ops on the same resource or the other
+    stateful ops (`AutomaticControlDependencies.run_independently`); it
+    still runs before the function returns. Outside `tf.function`: `value`.
+
+    For bookkeeping no later op depends on: a counter's fetch-and-add, a
+    flight-record row, a timestamp.
+    """
+    op = getattr(value, "op", value)
+    manager = getattr(ops.get_default_graph(), "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(op)
+    return value

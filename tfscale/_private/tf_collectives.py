@@ -385,14 +385,14 @@ def _check_nccl_dtype(dtype):
 
 
 def standalone_group(group_size, device, implementation="ring", group_key=1,
-                     timeout_seconds=None, max_subgroup_index=0):
+                     timeout_seconds=None, max_subgroup_index=0, watch=None):
     """A `CollectiveGroup` of `group_size` workers outside any strategy.
 
     For tracing tfscale's collectives into a graph on one process
     (`tf.function(...).get_concrete_function()`) without running them: the
     NCCL path's graph on a machine without GPUs (tests/test_nccl_graph.py).
     Running its collectives needs `group_size` processes with collective ops
-    configured, which a `tfscale.Strategy` does.
+    configured, which a `tfscale.Strategy` does. `watch`: see `CollectiveGroup`.
     """
     keys = cross_device_utils.CollectiveKeys(group_key_start=group_key)
     assert keys.get_group_key([device]) == group_key
@@ -401,7 +401,7 @@ def standalone_group(group_size, device, implementation="ring", group_key=1,
         tf.distribute.experimental.CommunicationOptions(),
         loop_instance_keys=[])
     return CollectiveGroup(launcher, timeout_seconds, implementation=implementation,
-                           max_subgroup_index=max_subgroup_index)
+                           max_subgroup_index=max_subgroup_index, watch=watch)
 
 
 # Broadcast and all-gather only copy bytes, but their kernels list the dtypes

@@ -70,10 +70,11 @@ class FlightRecorder:
         # is traced in the strategy's thread (`merge_call`) meanwhile.
         self._contexts = []
         # Two variables: tf.function orders the writes to one resource in
-        # program order, so a collective's issue row written into the same
-        # variable as the previous one's completion would wait for it, and
-        # buckets could no longer overlap. `completed_at` holds the sequence
-        # number of the collective that last completed in each slot.
+        # program order, and completion marks are (they wait for results);
+        # issue rows are written in no order (`issued`), so a collective
+        # never waits for an earlier one's completion through its row.
+        # `completed_at` holds the sequence number of the collective that
+        # last completed in each slot.
         with tf.device(device), tf.init_scope():
             self.rows = tf.Variable(tf.fill([capacity, 4], tf.constant(-1.0, tf.float64)),
                                     trainable=False, name="flight_recorder_issued")
@@ -188,22 +189,21 @@ class FlightRecorder:
         site, step = self.site(description)
         step = tf.constant(-1.0, tf.float64) if step is None else tf.cast(step, tf.float64)
         slot = tf.math.floormod(sequence - 1, self.capacity)
-        if self.stamps is None:
-            # In program order after the stamps traced before it: waiting for
-            # `sequence` too would hold back every later stateful op of that
-            # order, such as a caller's own timestamps.
-            issued = tf.timestamp()
-        else:
-            # Issued once its inputs are (`sequence` waits for them), inside
-            # its span; timestamps are not in program order then.
-            span = self._span()
-            issued = timeline_stamps.TimelineStamps.stamp(
-                [sequence] + ([span.last_stamp] if span is not None else []))
+        # Issued once its inputs are (`sequence` waits for them); with the
+        # timeline on, inside its span. Stamp and row run in no program
+        # order (`graph_order.unordered`): a stamp or a row write ordered
+        # after the bookkeeping traced before it (the previous bucket's
+        # completion, `timed_all_reduce`'s stamp of the last gradient) would
+        # hold this collective back, as the collective waits for its row.
+        span = self._span() if self.stamps is not None else None
+        issued = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(
+            [sequence] + ([span.last_stamp] if span is not None else [])))
         row = tf.stack([tf.constant(float(site), tf.float64), step,
                         tf.cast(sequence, tf.float64), issued])
         # The slot's completion mark stays an older collective's until this
         # one completes (`records` compares the sequence numbers).
-        return self.rows.scatter_nd_update(tf.reshape(slot, [1, 1]), row[None])
+        return graph_order.unordered(tf.raw_ops.ResourceScatterNdUpdate(
+            ref=self.rows.handle, indices=tf.reshape(slot, [1, 1]), updates=row[None]))
 
     def completed(self, sequence):
         """The op marking collective number `sequence` completed (call it
@@ -217,8 +217,8 @@ class FlightRecorder:
 
     def records(self):
         """This worker's recorded collectives, oldest first: dicts of the
-        site's description and `step`, `sequence`, `issued` (Unix seconds)
-        and `completed` (True or False)."""
+        site's description and `site` (its id), `step`, `sequence`, `issued`
+        (Unix seconds) and `completed` (True or False)."""
         columns = [self.rows.numpy(), self.completed_at.numpy()[:, None]]
         if self.stamps is not None:
             columns.append(self.completed_time.numpy()[:, None])
@@ -229,7 +229,7 @@ class FlightRecorder:
             site = int(row[_SITE])
             record = dict(self.sites[site]) if site < len(self.sites) else {}
             record.update(
-                sequence=int(row[_SEQUENCE]),
+                site=site, sequence=int(row[_SEQUENCE]),
                 step=int(row[_STEP]) if row[_STEP] >= 0 else None,
                 issued=float(row[_ISSUED]),
                 completed=bool(row[_ISSUED + 1] == row[_SEQUENCE]))
@@ -239,10 +239,20 @@ class FlightRecorder:
         return result
 
     def position(self):
-        """{"pending": the oldest pending record, "completed": the newest
-        completed one} (each None when there is none)."""
+        """{"pending": the pending record every other waits behind,
+        "completed": the newest completed one} (each None when there is none).
+
+        Sequence numbers count collectives as their inputs become ready, not
+        in the order they were traced: a collective with early inputs (a
+        scalar all-reduce) is counted before a gradient bucket traced ahead
+        of it on the same group, yet waits behind it (a group runs its
+        collectives in the order traced). So the one reported is the first
+        traced (lowest site) of the oldest step pending.
+        """
         records = self.records()
-        pending = [r for r in records if not r["completed"]]
+        pending = sorted((r for r in records if not r["completed"]),
+                         key=lambda r: (r["step"] is None, r["step"] or 0, r["site"],
+                                        r["sequence"]))
         completed = [r for r in records if r["completed"]]
         return {"worker": self.worker,
                 "pending": pending[0] if pending else None,

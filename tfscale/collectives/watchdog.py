@@ -30,9 +30,12 @@ import time
 import tensorflow as tf
 
 from tfscale._private import accessors
+from tfscale._private import graph_order
 
 # How often the watchdog thread reads the counters.
 POLL_SECONDS = 1.0
+# ResourceCountUpTo's limit, never reached.
+_NO_LIMIT = 2**63 - 1
 # The watchdogs whose threads run.
 _running = []
 
@@ -50,7 +53,8 @@ class Watchdog:
 
     Args:
         timeout_seconds: the collective timeout, > 0.
-        device: this worker's device, where the counters live.
+        device: this worker's device; the counters live on its host's CPU
+            (the fetch-and-add below has no GPU kernel).
         abort: `fn(message)` that fails every pending and later collective of
             this process with `message` (`tf_collectives.abort_collectives`).
         poll_seconds: how often the counters are read.
@@ -64,7 +68,9 @@ class Watchdog:
         self.recorder = recorder
         self._abort = abort
         self._poll_seconds = poll_seconds
-        with tf.device(device), tf.init_scope():
+        host_cpu = tf.DeviceSpec.from_string(device).replace(
+            device_type="CPU", device_index=0)
+        with tf.device(host_cpu), tf.init_scope():
             self.issued = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name="collectives_issued")
             self.completed = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -82,7 +88,17 @@ class Watchdog:
         recorded (not inside XLA, which has no `tf.timestamp`)."""
         recorder = None if accessors.in_xla_context() else self.recorder
         with tf.control_dependencies(list(inputs)):
-            sequence = self.issued.assign_add(1)
+            if accessors.in_xla_context():
+                # XLA has no kernel for the fetch-and-add below.
+                sequence = tf.convert_to_tensor(self.issued.assign_add(1))
+            else:
+                # An atomic fetch-and-add, read once and in no program order:
+                # `assign_add` returns a read of the variable made when it is
+                # used, and tf.function orders every op on `issued` as
+                # written, so the next collective's count would wait for this
+                # one's completion, and the buckets would run one at a time.
+                sequence = graph_order.unordered(tf.raw_ops.ResourceCountUpTo(
+                    resource=self.issued.handle, limit=_NO_LIMIT, T=tf.int64)) + 1
         marks = [sequence]
         if recorder is not None:
             marks.append(recorder.issued(sequence, dict(site or {})))

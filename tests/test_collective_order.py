@@ -1,0 +1,116 @@
+"""What each gradient bucket's collectives wait for, in the traced graph.
+
+A bucket's all-reduce should start once its own gradients are ready, and
+the buckets should run side by side where their algorithm's groups allow:
+that is how communication hides behind backprop and behind the other
+buckets. tfscale's own bookkeeping around every collective (the watchdog's
+counters, the flight recorder's rows and stamps, the exposed-communication
+stamps) must not add waits: a read of a counter made after the previous
+collective, a row written in program order after the previous completion,
+or a stamp in program order after the stamp of the last gradient each
+chained the buckets one after the other (found with the timeline).
+
+Each test traces one rank of a cluster the way `tfscale.Strategy` builds it
+(the watchdog with its flight recorder around every collective) and follows
+the graph's data and control edges. No collective runs.
+"""
+
+import pytest
+import tensorflow as tf
+
+from tfscale import collectives
+from tfscale._private import tf_collectives
+from tfscale.collectives import algorithms
+from tfscale.collectives import flight_recorder
+from tfscale.collectives import topology as topology_lib
+from tfscale.collectives import watchdog
+
+CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+COLLECTIVES = {"CollectiveReduceV2", "CollectiveGatherV2",
+               "CollectiveBcastSendV2", "CollectiveBcastRecvV2"}
+# Two tensors, one bucket each (no fusion): bucket 0 holds the second tensor
+# (the last layer's gradient, ready first in backprop), bucket 1 the first.
+SIZES = (300, 900)
+
+
+@pytest.fixture
+def bucket_ops(monkeypatch):
+    """Records, for each bucket traced, the collective ops its algorithm made."""
+    recorded = []
+    for name, algorithm in list(algorithms.BUFFER_ALGORITHMS.items()):
+        def recording(buffer, groups, num_chunks, algorithm=algorithm):
+            graph = tf.compat.v1.get_default_graph()
+            before = len(graph.get_operations())
+            result = algorithm(buffer, groups, num_chunks)
+            recorded.append([op for op in graph.get_operations()[before:]
+                             if op.type in COLLECTIVES])
+            return result
+        monkeypatch.setitem(algorithms.BUFFER_ALGORITHMS, name, recording)
+    return recorded
+
+
+def trace(topology, algorithm, timed):
+    """Traces one rank's all-reduce of float32 tensors of SIZES, each
+    collective through a watchdog and a flight recorder as the strategy
+    runs them. Returns the graph's placeholders."""
+    recorder = flight_recorder.FlightRecorder(CPU, topology.rank)
+    watch = watchdog.Watchdog(1e6, CPU, abort=lambda message: None,
+                              poll_seconds=3600, recorder=recorder)
+    try:
+        world = tf_collectives.standalone_group(
+            topology.num_workers, CPU, "ring",
+            max_subgroup_index=collectives.topology.MAX_SUBGROUP_INDEX, watch=watch)
+        exposed = tf.Variable(0.0, dtype=tf.float64) if timed else None
+        all_reduce = collectives.AllReduce(
+            topology, algorithm, fusion_threshold_bytes=0, implementation="ring",
+            note=recorder.context, exposed_communication_seconds=exposed)
+        function = tf.function(lambda *tensors: all_reduce(list(tensors), world))
+        graph = function.get_concrete_function(
+            *[tf.TensorSpec([n], tf.float32) for n in SIZES]).graph
+    finally:
+        watch.stop()
+    return [op for op in graph.get_operations() if op.type == "Placeholder"]
+
+
+def waits_for(op, earlier):
+    """Whether `op` runs only after `earlier`: a path of data or control
+    edges from `earlier` to `op`."""
+    seen, frontier = set(), [op]
+    while frontier:
+        current = frontier.pop()
+        if current is earlier:
+            return True
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        frontier.extend(t.op for t in current.inputs)
+        frontier.extend(current.control_inputs)
+    return False
+
+
+@pytest.mark.parametrize("algorithm,rank", [("hierarchical", 0), ("hierarchical", 1),
+                                            ("2d", 0)])
+def test_a_bucket_does_not_wait_for_the_previous_buckets_later_stages(
+        bucket_ops, algorithm, rank):
+    # 4 workers in 2 nodes of 2: the stages run on different groups, so
+    # bucket 1's first stage can run while bucket 0's later stages do.
+    topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], rank, 2)
+    trace(topology, algorithm, timed=False)
+    first, second = bucket_ops
+    assert len(first) >= 2 and second, [len(first), len(second)]
+    for later_stage in first[1:]:
+        assert not waits_for(second[0], later_stage), (
+            f"bucket 1's first collective {second[0].name} waits for bucket 0's "
+            f"{later_stage.name} ({later_stage.type})")
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["untimed", "time_all_reduces"])
+def test_the_first_bucket_does_not_wait_for_the_last_gradient(bucket_ops, timed):
+    topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], 0, 2)
+    placeholders = trace(topology, "ring", timed=timed)
+    last_gradient = placeholders[0]  # the first layer's: in the last bucket
+    first_bucket = bucket_ops[0]
+    assert not waits_for(first_bucket[0], last_gradient), (
+        f"bucket 0's first collective {first_bucket[0].name} waits for the "
+        f"last gradient's input {last_gradient.name}")
+    assert waits_for(bucket_ops[1][0], last_gradient)  # the check can see a path
