@@ -181,7 +181,7 @@ def _define_communication_flags():
         "hybrid_threshold_bytes", None,
         "--algorithm=hybrid only: buffers of at least this many bytes on the "
         "wire go by ring, smaller ones hierarchical; unset: each buffer by "
-        "the cost model's fastest of ring, hierarchical and halving_doubling.",
+        "the cost model's faster of ring and hierarchical.",
         lower_bound=0,
     )
     flags.DEFINE_integer(

@@ -194,3 +194,31 @@ def test_scale_reports_start_up_memory_and_checks_each_algorithm(tmp_path):
         assert check["bitwise_identical"]
         assert check["max_abs_diff_vs_one_worker"] < 1e-6
     assert "| 3 | loopback |" in stdout
+
+
+def test_fixedcost_times_bare_ops_stock_and_each_algorithm_on_one_float(tmp_path):
+    output = tmp_path / "fixedcost.json"
+    stdout = bench(tmp_path, "fixedcost", "--worker_counts=2",
+                   "--algorithms=stock,ring,halving_doubling,hybrid", "--warmup=1",
+                   "--repeats=3", f"--output={output}")
+    rows = json.loads(output.read_text())["rows"]
+    cases = [r["case"] for r in rows]
+    assert cases == [
+        "stock (one pack)", "function call, no collective",
+        "CollectiveReduceV2, same key", "CollectiveReduceV2, new key",
+        "CollectiveGatherV2 + sum, same key", "CollectiveReduceV2 x 10 chained, per op",
+        "ring", "halving_doubling", "hybrid",
+        "ring, timeout_seconds=None (no watchdog, no recorder)"], cases
+    assert all(r["num_workers"] == 2 and r["ms"] > 0 for r in rows)
+    plans = {r["case"]: r["plan"] for r in rows}
+    assert plans["halving_doubling"] == [["halving_doubling", 4, 1]]
+    # hybrid does not choose halving-doubling, which measures slowest here.
+    assert plans["hybrid"][0][0] in ("ring", "hierarchical")
+    assert "2 workers (ms)" in stdout and "floor" in stdout
+    process = subprocess.run(
+        [sys.executable, "-m", "tfscale.launch.bench", "fixedcost", "--worker_counts=1"],
+        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, timeout=120)
+    assert process.returncode == 1 and "Traceback" not in process.stderr
+    assert ("tfscale-bench fixedcost: --worker_counts: each needs >= 2 workers. "
+            "Received: 1") in process.stderr

@@ -127,10 +127,12 @@ def test_one_node_degrades_the_hierarchical_algorithms_to_ring():
         "hybrid", [4, 4000], topo=ONE_NODE, hybrid_threshold_bytes=1000)} == {"ring"}
 
 
-def test_hybrid_without_a_threshold_takes_the_fastest_prediction():
+def test_hybrid_without_a_threshold_takes_the_fastest_prediction_of_ring_and_hierarchical():
     # The model once fitted on the emulated 2 x 2 cluster (tests/data): the ring
-    # wins the smallest buffers, halving-doubling the middle, hierarchical
-    # the largest.
+    # wins the smallest buffers, halving-doubling the middle by its
+    # prediction, hierarchical the largest. Halving-doubling is not among
+    # hybrid's choices (measured slowest on small buffers, BENCHMARKS.md
+    # section 11): the middle goes to the faster of the other two.
     with open(os.path.join(REPO_ROOT, "tests", "data", "cost_model_fit_emulated_2x2.json")) as f:
         fitted = cost_model.CostModel.from_config(json.load(f)["cost_model"])
     even = cost_model.CostModel(intra=cost_model.Link(1e-4, 1e-9),
@@ -143,15 +145,17 @@ def test_hybrid_without_a_threshold_takes_the_fastest_prediction():
                 [bucket] = collectives.plan([size], [tf.float32], topo, "hybrid",
                                             size, cost_model=model)
                 predicted = {a: model.predict(a, size, topo.node_sizes)
-                             for a in ("ring", "hierarchical", "halving_doubling")}
+                             for a in ("ring", "hierarchical")}
                 fastest = min(predicted.values())
                 assert predicted[bucket.algorithm] == fastest, (topo, size, predicted)
                 chosen.add(bucket.algorithm)
-    assert chosen == {"ring", "hierarchical", "halving_doubling"}
+    assert chosen == {"ring", "hierarchical"}
+    assert fitted.predict("halving_doubling", 65536, TWO_BY_TWO.node_sizes) < min(
+        fitted.predict(a, 65536, TWO_BY_TWO.node_sizes) for a in ("ring", "hierarchical"))
     plan = [collectives.plan([size], [tf.float32], TWO_BY_TWO, "hybrid", size,
                              cost_model=fitted)[0].algorithm
             for size in (4, 65536, 32 << 20)]
-    assert plan == ["ring", "halving_doubling", "hierarchical"]
+    assert "halving_doubling" not in plan and plan[-1] == "hierarchical"
 
 
 def test_hybrid_with_a_given_threshold_never_takes_halving_doubling():

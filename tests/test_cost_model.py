@@ -101,9 +101,11 @@ def test_hybrid_threshold_extremes():
     assert MODEL.hybrid_threshold_bytes((8, 8)) == math.inf
 
 
-def test_fit_recovers_the_parameters_that_made_the_measurements():
+@pytest.mark.parametrize("op_seconds", [0.0, 2e-4])
+def test_fit_recovers_the_parameters_that_made_the_measurements(op_seconds):
     sizes = (2, 2)
-    rows = [(a, s, MODEL.predict(a, s, sizes, c), c)
+    truth = CostModel(MODEL.intra, MODEL.inter, op_seconds)
+    rows = [(a, s, truth.predict(a, s, sizes, c), c)
             for a in ("ring", "hierarchical", "2d")
             for s in (1e3, 1e5, 1e7)
             for c in (1, 4)]
@@ -111,6 +113,21 @@ def test_fit_recovers_the_parameters_that_made_the_measurements():
     for got, want in [(fitted.intra, MODEL.intra), (fitted.inter, MODEL.inter)]:
         assert got.alpha == pytest.approx(want.alpha, rel=1e-3)
         assert got.beta == pytest.approx(want.beta, rel=1e-3)
+    assert fitted.op_seconds == pytest.approx(op_seconds, rel=1e-3, abs=1e-9)
+
+
+def test_the_fixed_cost_of_an_op_makes_the_ring_win_small_buffers():
+    # With links alone, hierarchical's short steps win a 4-byte buffer on
+    # 2 nodes of 4; its three ops (the ring has one) lose it once each op
+    # costs what TensorFlow's do (BENCHMARKS.md section 11).
+    links_only = CostModel(cost_model.DEFAULT.intra, cost_model.DEFAULT.inter)
+    assert links_only.predict("hierarchical", 4, (4, 4)) < links_only.predict("ring", 4, (4, 4))
+    with_ops = cost_model.DEFAULT
+    assert with_ops.predict("ring", 4, (4, 4)) < with_ops.predict("hierarchical", 4, (4, 4))
+    assert with_ops.predict("ring", 4, (4, 4)) < with_ops.predict("halving_doubling", 4, (4, 4))
+    # Large buffers still go hierarchical on the slow inter-node link.
+    assert with_ops.predict("hierarchical", 64 << 20, (4, 4)) < with_ops.predict(
+        "ring", 64 << 20, (4, 4))
 
 
 def test_fit_tolerates_noise():
@@ -158,7 +175,11 @@ def test_bad_inputs_name_the_argument():
 def test_config_round_trip():
     assert CostModel.from_config(MODEL.get_config()) == MODEL
     assert MODEL.get_config() == {"intra": {"alpha": 1e-5, "beta": 1e-9},
-                                  "inter": {"alpha": 1e-4, "beta": 1e-8}}
+                                  "inter": {"alpha": 1e-4, "beta": 1e-8},
+                                  "op_seconds": 0.0}
+    # A model fitted before op_seconds existed loads with none.
+    old = {"intra": {"alpha": 1e-5, "beta": 1e-9}, "inter": {"alpha": 1e-4, "beta": 1e-8}}
+    assert CostModel.from_config(old).op_seconds == 0.0
 
 
 def test_hybrid_follows_a_fitted_model_whose_crossover_runs_the_other_way():

@@ -9,10 +9,12 @@ r"""tfscale-bench: all-reduce and training benchmarks, and a cost-model projecti
     tfscale-bench train --model=resnet50 --num_workers=4 --image_size=64 --steps=5
     tfscale-bench gpucheck
     tfscale-bench scale --worker_counts=16 --num_workers=16 --emulate_nodes=4
+    tfscale-bench fixedcost --worker_counts=2,4,8
 
-One module per subcommand (`allreduce`, `train`, `project`, `gpucheck`, `scale`), each defining its
+One module per subcommand (`allreduce`, `train`, `project`, `gpucheck`, `scale`,
+`fixedcost`), each defining its
 own flags when it is chosen: `tfscale-bench allreduce --help` lists what
-`allreduce` takes. `allreduce`, `train`, `gpucheck` and `scale` start their workers through
+`allreduce` takes. All but `project` start their workers through
 tfscale-launch (`cluster.launch_workers`); each worker process runs
 `python -m tfscale.launch.bench.worker SPEC`.
 """
@@ -31,6 +33,7 @@ SUBCOMMANDS = {
     "project": "fit the alpha-beta cost model; project to the paper's hardware",
     "gpucheck": "run first on GPUs: each algorithm via NCCL and ring, sums checked",
     "scale": "start-up and memory per worker count; every algorithm trains as one worker",
+    "fixedcost": "what one 4-byte all-reduce costs: bare TF ops, stock, each algorithm",
 }
 
 

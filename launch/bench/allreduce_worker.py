@@ -46,7 +46,7 @@ def measure(spec):
         `{"rank", "num_workers", "node_sizes", "rows"}`: one row per case and
         input set (node_sizes: as tfscale grouped the workers; None for stock).
     """
-    cases = _stock_cases(spec) if spec["side"] == cluster.STOCK else _tfscale_cases(spec)
+    cases = stock_cases(spec) if spec["side"] == cluster.STOCK else tfscale_cases(spec)
     strategy = cases[0]["strategy"]
     rank, num_workers = strategy.worker_index, strategy.num_workers
     topology = strategy.topology if spec["side"] == "tfscale" else None
@@ -61,7 +61,7 @@ def measure(spec):
         inputs = [tf.constant(a) for a in stats.integer_inputs(shapes, rank)]
         expected = stats.expected_sum(shapes, num_workers)
         for case in cases:
-            row = _measure(case, inputs, expected, spec)
+            row = measure_case(case, inputs, expected, spec)
             row.update(inputs=inputs_name, rank=rank)
             results["rows"].append(row)
             if rank == 0:
@@ -73,7 +73,7 @@ def measure(spec):
     return results
 
 
-def _measure(case, inputs, expected, spec):
+def measure_case(case, inputs, expected, spec):
     """Warm-up, the exactness check, then the timed repeats of one case."""
     fn, barrier = case["fn"], case["barrier"]
     outputs = None
@@ -100,7 +100,7 @@ def _measure(case, inputs, expected, spec):
     return row
 
 
-def _sum_across_workers(strategy, options=None):
+def sum_across_workers(strategy, options=None):
     """A tf.function all-reducing a list of tensors as Keras reduces gradients."""
 
     @tf.function
@@ -118,7 +118,7 @@ def _sum_across_workers(strategy, options=None):
     return reduce_fn
 
 
-def _stock_cases(spec):
+def stock_cases(spec):
     """Stock's one pack, and with --gradients its packs of bytes_per_pack."""
     strategy = KerasMultiWorkerMirroredStrategy()
     barrier = agreement.barrier(strategy)
@@ -127,7 +127,7 @@ def _stock_cases(spec):
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=bytes_per_pack)
         cases.append({
-            "fn": _sum_across_workers(strategy, options), "barrier": barrier,
+            "fn": sum_across_workers(strategy, options), "barrier": barrier,
             "strategy": strategy, "side": cluster.STOCK, "algorithm": cluster.STOCK,
             "compression": None, "bytes_per_pack": bytes_per_pack,
             "label": cluster.STOCK + (f" bytes_per_pack={stats.human_bytes(bytes_per_pack)}"
@@ -136,7 +136,7 @@ def _stock_cases(spec):
     return cases
 
 
-def _tfscale_cases(spec):
+def tfscale_cases(spec):
     """One `tfscale.Strategy` per configuration in `spec["configs"]`."""
     cost_model = None
     if spec.get("cost_model"):
@@ -151,7 +151,7 @@ def _tfscale_cases(spec):
             time_all_reduces=False,  # the bench times the call itself
             implementation=implementation))
         cases.append({
-            "fn": _sum_across_workers(strategy), "barrier": agreement.barrier(strategy),
+            "fn": sum_across_workers(strategy), "barrier": agreement.barrier(strategy),
             "strategy": strategy, "side": "tfscale", "algorithm": algorithm,
             "compression": compression,
             "implementation": strategy.communication_implementation,

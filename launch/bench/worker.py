@@ -16,6 +16,7 @@ _MEASURES = {
     "train": "tfscale.launch.bench.train_worker",
     "gpucheck": "tfscale.launch.bench.gpucheck_worker",
     "scale": "tfscale.launch.bench.scale_worker",
+    "fixedcost": "tfscale.launch.bench.fixedcost_worker",
 }
 
 

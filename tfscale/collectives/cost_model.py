@@ -12,7 +12,10 @@ between nodes. For a buffer of S bytes on m nodes of k workers (n = m k):
 | 2d | 2(k-1) x (alpha_i + S/k beta_i); 2(m-1) x (alpha_e + S/m beta_e) (k rings of S/k share the node's link); (k-1) x (alpha_i + S/k beta_i) all-gather |
 | halving_doubling | for s < log2 p': 2 x (alpha + S/2^(s+1) beta), on the link step s crosses; plus 2 x (alpha + S beta) for the fold when p != p' |
 
-(`_e` is `inter` when m > 1, else `intra`.) For halving_doubling, p' is the
+(`_e` is `inter` when m > 1, else `intra`.) Each stage is one collective
+op, and each op also costs `op_seconds` whatever its size (halving_doubling:
+one op per pairwise step): with TensorFlow's collectives that fixed cost,
+not link latency, decides small buffers (BENCHMARKS.md section 11). For halving_doubling, p' is the
 largest power of two <= n and nodes are taken to hold consecutive ranks: a
 step whose pairs all stay inside nodes uses `intra`, one where c workers of a
 node exchange with other nodes moves c x the step's bytes over that node's
@@ -24,8 +27,8 @@ overlap (`algorithms`), a pipeline takes the sum of one chunk's stages plus
 bandwidth is not modelled: on a machine where workers share the cores the
 stages of a pipeline overlap less than predicted.
 
-`fit` estimates the four parameters from measured times; `DEFAULT` is a
-starting point, not a measurement of your cluster.
+`fit` estimates the four link parameters and `op_seconds` from measured
+times; `DEFAULT` is a starting point, not a measurement of your cluster.
 """
 
 import collections
@@ -80,10 +83,21 @@ class CostModel:
     Attributes:
         intra: `Link` between workers of one node.
         inter: `Link` between nodes.
+        op_seconds: the fixed cost of one collective op, whatever its size
+            (TensorFlow's collective executor, instance resolution, the
+            op's own scheduling): paid once per stage of each chunk, and
+            once per pairwise step of halving-doubling.
     """
 
     intra: Link
     inter: Link
+    op_seconds: float = 0.0
+
+    def __post_init__(self):
+        if not is_number(self.op_seconds) or not 0 <= self.op_seconds < math.inf:
+            raise ValueError(
+                "Argument `op_seconds` must be a finite number >= 0 (seconds). "
+                f"Received: op_seconds={self.op_seconds!r}")
 
     def stage_times(self, algorithm, size_bytes, node_sizes):
         """Times of the stages one buffer goes through, in order.
@@ -106,12 +120,12 @@ class CostModel:
             # One stage: each step needs the previous one's sum.
             return [self._halving_doubling_seconds(size_bytes, sizes)]
         if algorithm == "ring" or m == 1 or m == n:
-            return [slow.steps(2 * (n - 1), size_bytes / n)]
+            return [self.op_seconds + slow.steps(2 * (n - 1), size_bytes / n)]
         if algorithm == "hierarchical":
             return [
-                self.intra.steps(2 * (k - 1), size_bytes / k),
-                self.inter.steps(2 * (m - 1), size_bytes / m),
-                self.intra.steps(math.ceil(math.log2(k)), size_bytes),
+                self.op_seconds + self.intra.steps(2 * (k - 1), size_bytes / k),
+                self.op_seconds + self.inter.steps(2 * (m - 1), size_bytes / m),
+                self.op_seconds + self.intra.steps(math.ceil(math.log2(k)), size_bytes),
             ]
         if len(set(sizes)) > 1:
             raise ValueError(
@@ -119,9 +133,9 @@ class CostModel:
                 f"Received: node_sizes={list(sizes)}"
             )
         return [
-            self.intra.steps(2 * (k - 1), size_bytes / k),
-            self.inter.steps(2 * (m - 1), size_bytes / m),
-            self.intra.steps(k - 1, size_bytes / k),
+            self.op_seconds + self.intra.steps(2 * (k - 1), size_bytes / k),
+            self.op_seconds + self.inter.steps(2 * (m - 1), size_bytes / m),
+            self.op_seconds + self.intra.steps(k - 1, size_bytes / k),
         ]
 
     def _halving_doubling_seconds(self, size_bytes, node_sizes):
@@ -132,7 +146,7 @@ class CostModel:
         messages = [(c, size_bytes) for c in folds]
         for s, crossing in enumerate(steps):
             messages += [(crossing, size_bytes / 2 ** (s + 1))] * 2
-        total = 0.0
+        total = len(messages) * self.op_seconds  # one op per pairwise step
         for crossing, step_bytes in messages:
             if crossing:
                 total += self.inter.steps(1, crossing * step_bytes)
@@ -204,19 +218,28 @@ class CostModel:
         return {
             "intra": dataclasses.asdict(self.intra),
             "inter": dataclasses.asdict(self.inter),
+            "op_seconds": self.op_seconds,
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(intra=Link(**config["intra"]), inter=Link(**config["inter"]))
+        """The model of `get_config`; a config without `op_seconds` (fitted
+        before it existed) gets 0."""
+        return cls(intra=Link(**config["intra"]), inter=Link(**config["inter"]),
+                   op_seconds=config.get("op_seconds", 0.0))
 
 
 # A starting point until `fit` has measurements of your cluster: TensorFlow's
 # gRPC collectives (about 100 us per message even on one host), memory-speed
-# copies inside a node and 10 Gbit/s Ethernet between nodes.
+# copies inside a node and 10 Gbit/s Ethernet between nodes; and the fixed
+# cost of a collective op, measured: 1.04 ms per CollectiveReduceV2 of 4
+# bytes, ten chained in one function, on 2 workers over loopback with a core
+# each (`tfscale-bench fixedcost`, BENCHMARKS.md section 11; 2.4-2.9 ms with
+# 4 workers on 2 cores, 5.6-7.8 ms with 8).
 DEFAULT = CostModel(
     intra=Link(alpha=100e-6, beta=1 / 4e9),
     inter=Link(alpha=150e-6, beta=1 / 1.25e9),
+    op_seconds=1.0e-3,
 )
 
 
@@ -262,24 +285,37 @@ def fit(measurements, node_sizes, prior=DEFAULT):
     # Unknowns relative to the prior keep the problem well scaled; a prior of
     # 0 is replaced by a tiny scale so that the parameter can still move.
     scale = np.array([
-        prior.intra.alpha, prior.intra.beta, prior.inter.alpha, prior.inter.beta
+        prior.intra.alpha, prior.intra.beta, prior.inter.alpha, prior.inter.beta,
+        prior.op_seconds,
     ])
-    scale = np.where(scale > 0, scale, [1e-6, 1e-10, 1e-6, 1e-10])
+    scale = np.where(scale > 0, scale, [1e-6, 1e-10, 1e-6, 1e-10, 1e-6])
 
     def model_of(x):
         p = [float(v) for v in x * scale]
-        return CostModel(Link(p[0], p[1]), Link(p[2], p[3]))
+        return CostModel(Link(p[0], p[1]), Link(p[2], p[3]), p[4])
 
-    def residuals(x):
-        model = model_of(x)
-        return [
-            model.predict(a, s, node_sizes, c) / t - 1.0 for a, s, t, c in rows
-        ]
+    def predictions(model):
+        return [model.predict(a, s, node_sizes, c) for a, s, _, c in rows]
+
+    # Only the parameters some measurement depends on move (one node never
+    # uses the `inter` link); the rest keep the prior's values.
+    start = predictions(model_of(np.ones(5)))
+    free = [predictions(model_of(np.where(np.arange(5) == j, 2.0, 1.0))) != start
+            for j in range(5)]
+
+    def full(x_free):
+        x = np.ones(5)
+        x[np.array(free)] = x_free
+        return x
+
+    def residuals(x_free):
+        return [p / t - 1.0 for p, (_, _, t, _) in zip(predictions(model_of(full(x_free))), rows)]
 
     result = optimize.least_squares(
-        residuals, np.ones(4), bounds=(0.0, np.inf), x_scale=1.0, diff_step=1e-6
+        residuals, np.ones(sum(free)), bounds=(0.0, np.inf), x_scale=1.0, diff_step=1e-6,
+        xtol=1e-12, ftol=1e-12, gtol=1e-12,
     )
-    return model_of(result.x)
+    return model_of(full(result.x))
 
 
 @functools.lru_cache(maxsize=64)

@@ -205,15 +205,17 @@ class FlightRecorder:
         return graph_order.unordered(tf.raw_ops.ResourceScatterNdUpdate(
             ref=self.rows.handle, indices=tf.reshape(slot, [1, 1]), updates=row[None]))
 
-    def completed(self, sequence):
-        """The op marking collective number `sequence` completed (call it
-        under a control dependency on its results); with the timeline on,
-        also when."""
+    def completed(self, sequence, after=()):
+        """The op marking collective number `sequence` completed once `after`
+        (its results) are ready; with the timeline on, also when. Only the
+        row writes wait for `after`: the slot and the value are computed
+        beforehand, off the path from the results to the step's end."""
         slot = tf.reshape(tf.math.floormod(sequence - 1, self.capacity), [1, 1])
-        if self.stamps is not None:
-            self.completed_time.scatter_nd_update(slot, tf.timestamp()[None])
-        return self.completed_at.scatter_nd_update(
-            slot, tf.cast(sequence, tf.float64)[None])
+        value = tf.cast(sequence, tf.float64)[None]
+        with tf.control_dependencies(list(after)):
+            if self.stamps is not None:
+                self.completed_time.scatter_nd_update(slot, tf.timestamp()[None])
+            return self.completed_at.scatter_nd_update(slot, value)
 
     def records(self):
         """This worker's recorded collectives, oldest first: dicts of the

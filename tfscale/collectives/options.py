@@ -105,8 +105,9 @@ class CommunicationOptions:
       two).
     - `"hybrid"`: per buffer, `"hierarchical"` below `hybrid_threshold_bytes`
       and `"ring"` at or above it (Jia et al. 2018, 4.3); without a
-      threshold, the fastest of ring, hierarchical and halving_doubling by
-      `cost_model`'s prediction.
+      threshold, the faster of ring and hierarchical by `cost_model`'s
+      prediction (halving_doubling, measured slower on this runtime, is
+      not among its choices: BENCHMARKS.md section 11).
 
     With one node, or one worker per node, "hierarchical" and "2d" run as a
     ring.

@@ -17,9 +17,17 @@ from tfscale.collectives import topology as topology_lib
 
 # Algorithms a user can ask for: one of the buffer algorithms, or "hybrid":
 # per bucket, "hierarchical" below the hybrid threshold and "ring" at or
-# above it (Jia et al. 2018, section 4.3); without a threshold, the fastest
-# of ring, hierarchical and halving_doubling by the cost model.
+# above it (Jia et al. 2018, section 4.3); without a threshold, the faster
+# of ring and hierarchical by the cost model.
 ALGORITHMS = (*algorithms.BUFFER_ALGORITHMS, "hybrid")
+# What "hybrid" chooses from. Not halving_doubling, the latency-optimal
+# algorithm on paper: TensorFlow has no point-to-point op, so each of its
+# 2 log2(n) steps is a collective op of its own over a pair group, and each
+# op costs a fixed few milliseconds whatever its size, more than the one op
+# of a ring (`tfscale-bench fixedcost`, BENCHMARKS.md section 11). The
+# alpha-beta cost model, which counts link latency and not that cost,
+# predicts it fastest on small buffers, where it measured slowest.
+HYBRID_CANDIDATES = ("ring", "hierarchical")
 COMPRESSIONS = tuple(compression_lib.WIRE_DTYPES)
 # 2d tags shards with the local rank in the wire dtype; bfloat16 holds the
 # integers up to 256 exactly.
@@ -116,8 +124,8 @@ def plan(
         fusion_threshold_bytes: see `fusion.bucket_indices`.
         hybrid_threshold_bytes: for "hybrid": wire bytes at which a bucket
             goes by ring instead of hierarchical; `None`: each bucket takes
-            the fastest of ring, hierarchical and halving_doubling by the
-            cost model's prediction (ties go to the one listed first).
+            the faster of `HYBRID_CANDIDATES` by the cost model's prediction
+            (ties go to the one listed first).
         compression: `None` or one of `COMPRESSIONS`; applies to float32
             buckets of more than one element.
         cost_model: a `cost_model.CostModel` for the hybrid threshold and
@@ -142,10 +150,7 @@ def plan(
             # The cost model decides each bucket by predicted time: its
             # crossovers may run either way (a fitted model can favour the
             # ring for small buffers and hierarchical for large ones).
-            candidates = ["ring", "hierarchical"]
-            if topology_lib.halving_doubling_fits(topology):
-                candidates.append("halving_doubling")
-            chosen = min(candidates, key=lambda a: model.predict(
+            chosen = min(HYBRID_CANDIDATES, key=lambda a: model.predict(
                 a, wire_bytes, topology.node_sizes))
         elif algorithm == "hybrid":
             chosen = "hierarchical" if wire_bytes < hybrid_threshold_bytes else "ring"

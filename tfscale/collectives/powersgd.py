@@ -25,6 +25,10 @@ The choices follow PyTorch's production hook
   fused and all-reduced as any gradient is without compression.
 - The Ps of all matrices travel in one buffer, and so do the Qs (one
   all-reduce each, as PyTorch's `p_memory_dict` / `q_memory_dict`).
+- `batch_same_shapes=True` computes matrices of the same shape together:
+  their products, orthogonalization and error feedback as one batched op
+  each (PyTorch's `batch_tensors_with_same_shape`, off by default there and
+  here; see the argument).
 - Orthogonalization is Gram-Schmidt with `epsilon` added to each norm
   (`_orthogonalize`), so a zero gradient gives zero, not NaN.
 - Warm start: each step's power iteration starts from the last step's
@@ -172,15 +176,39 @@ def orthogonalize(matrix, epsilon=EPSILON):
     """Orthonormal columns by modified Gram-Schmidt (PyTorch's `_orthogonalize`).
 
     Column i is divided by its norm plus `epsilon`, then removed from the
-    columns after it.
+    columns after it. `matrix` is n x r, or a batch of them (..., n, r),
+    each orthogonalized on its own.
     """
     columns = []
-    for i in range(matrix.shape[1]):
-        column = matrix[:, i]
+    for i in range(matrix.shape[-1]):
+        column = matrix[..., i]
         for done in columns:
-            column = column - tf.reduce_sum(done * column) * done
-        columns.append(column / (tf.norm(column) + epsilon))
-    return tf.stack(columns, axis=1)
+            column = column - tf.reduce_sum(done * column, axis=-1, keepdims=True) * done
+        columns.append(column / (tf.norm(column, axis=-1, keepdims=True) + epsilon))
+    return tf.stack(columns, axis=-1)
+
+
+def same_shape_batches(matrices, batch=True):
+    """Positions in `matrices` computed together, as one batch of products
+    and one orthogonalization: those of one (rows, cols, rank), in the order
+    first seen (PyTorch's `batch_tensors_with_same_shape`); each alone
+    unless `batch`."""
+    if not batch:
+        return [[i] for i in range(len(matrices))]
+    batches = {}
+    for i, m in enumerate(matrices):
+        batches.setdefault((m.rows, m.cols, m.rank), []).append(i)
+    return list(batches.values())
+
+
+def _stack(matrices):
+    """A batch of `matrices`; one alone is not copied."""
+    return tf.expand_dims(matrices[0], 0) if len(matrices) == 1 else tf.stack(matrices)
+
+
+def _unstack(batch):
+    """The matrices of `batch`; a batch of one is not copied."""
+    return [tf.reshape(batch, batch.shape[1:])] if batch.shape[0] == 1 else tf.unstack(batch)
 
 
 def _concat(parts):
@@ -188,28 +216,29 @@ def _concat(parts):
 
 
 def _split(buffer, shapes):
-    sizes = [a * b for a, b in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     return [tf.reshape(part, shape)
             for part, shape in zip(tf.split(buffer, sizes), shapes)]
 
 
-def first_factors(matrices, qs, epsilon=EPSILON):
-    """This worker's Ps, `M @ orthogonalize(Q)`, in one flat buffer."""
-    return _concat([m @ orthogonalize(q, epsilon) for m, q in zip(matrices, qs)])
+def first_factors(ms, qs, epsilon=EPSILON):
+    """This worker's Ps, `M @ orthogonalize(Q)`, in one flat buffer (each of
+    `ms` a batch of matrices, b x rows x cols; `qs` b x cols x rank)."""
+    return _concat([tf.linalg.matmul(m, orthogonalize(q, epsilon)) for m, q in zip(ms, qs)])
 
 
-def second_factors(matrices, p_sum, ranks, epsilon=EPSILON):
+def second_factors(ms, p_sum, ranks, epsilon=EPSILON):
     """The orthogonalized summed Ps, and this worker's Qs `M.T @ P` in one
     flat buffer."""
-    shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks)]
+    shapes = [(m.shape[0], m.shape[1], r) for m, r in zip(ms, ranks)]
     ps = [orthogonalize(p, epsilon) for p in _split(p_sum, shapes)]
-    return ps, _concat([tf.transpose(m) @ p for m, p in zip(matrices, ps)])
+    return ps, _concat([tf.linalg.matmul(m, p, transpose_a=True) for m, p in zip(ms, ps)])
 
 
 def approximations(ps, q_sum, cols):
-    """Each `P @ Q.T` from the summed Qs, and the Qs themselves."""
-    qs = _split(q_sum, [(c, p.shape[1]) for c, p in zip(cols, ps)])
-    return [p @ tf.transpose(q) for p, q in zip(ps, qs)], qs
+    """Each batch's `P @ Q.T` from the summed Qs, and the Qs themselves."""
+    qs = _split(q_sum, [(p.shape[0], c, p.shape[-1]) for c, p in zip(cols, ps)])
+    return [tf.linalg.matmul(p, q, transpose_b=True) for p, q in zip(ps, qs)], qs
 
 
 class State(tf.Module):
@@ -249,12 +278,24 @@ class PowerSGD:
         start_step: optimizer updates all-reduced uncompressed first.
         min_compression_rate: see `should_compress`.
         log_plans: log each optimizer's plan once (set it on the chief).
+        batch_same_shapes: compute matrices of the same shape together
+            (`same_shape_batches`): a few batched ops instead of the same
+            small ops once per matrix, at the price of copying them into
+            one batch. Off by default, as in PyTorch: on CPU the arithmetic
+            is bound by memory traffic, not by the number of ops, and the
+            copies make it slower (`python -m
+            tfscale.launch.studies.powersgd_cost`, BENCHMARKS.md section 5);
+            where each op has a fixed launch cost (GPUs) it may pay. The
+            sums on the wire are the same; results agree within float32
+            rounding.
     """
 
     def __init__(self, sum_fn, num_workers, rank=DEFAULT_RANK,
                  start_step=DEFAULT_START_STEP,
-                 min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE, log_plans=False):
+                 min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE, log_plans=False,
+                 batch_same_shapes=False):
         self.sum_fn = sum_fn
+        self.batch_same_shapes = batch_same_shapes
         self.num_workers = num_workers
         self.rank = rank
         self.start_step = start_step
@@ -323,17 +364,24 @@ class PowerSGD:
         if rest:
             for i, summed in zip(rest, self.sum_fn([grads[i] for i in rest])):
                 results[i] = summed
-        ms = [tf.reshape(grads[m.index], [m.rows, m.cols]) + e.read_value()
-              for m, e in zip(matrices, state.error)]
-        (p_sum,) = self.sum_fn([first_factors(ms, [q.read_value() for q in state.q])])
-        ps, q_local = second_factors(ms, p_sum, [m.rank for m in matrices])
+        batches = same_shape_batches(matrices, self.batch_same_shapes)
+        # M = G + E, each batch stacked: b x rows x cols.
+        ms = [_stack([tf.reshape(grads[matrices[i].index],
+                                 [matrices[i].rows, matrices[i].cols])
+                      + state.error[i].read_value() for i in batch]) for batch in batches]
+        qs = [_stack([state.q[i].read_value() for i in batch]) for batch in batches]
+        (p_sum,) = self.sum_fn([first_factors(ms, qs)])
+        ps, q_local = second_factors(ms, p_sum, [matrices[b[0]].rank for b in batches])
         (q_sum,) = self.sum_fn([q_local])
-        outs, qs = approximations(ps, q_sum, [m.cols for m in matrices])
+        outs, qs = approximations(ps, q_sum, [matrices[b[0]].cols for b in batches])
         updates = []
-        for m, M, out, q, error, q_var in zip(
-                matrices, ms, outs, qs, state.error, state.q):
-            updates.append(error.assign(M - out / self.num_workers))
-            updates.append(q_var.assign(q / self.num_workers))
-            results[m.index] = tf.reshape(out, m.shape)
+        for batch, M, out, q in zip(batches, ms, outs, qs):
+            # The error feedback of the whole batch in one op, then split.
+            errors = _unstack(M - out / self.num_workers)
+            for i, error, each_out, each_q in zip(batch, errors, _unstack(out),
+                                                  _unstack(q / self.num_workers)):
+                updates.append(state.error[i].assign(error))
+                updates.append(state.q[i].assign(each_q))
+                results[matrices[i].index] = tf.reshape(each_out, matrices[i].shape)
         with tf.control_dependencies(updates):
             return [tf.identity(r) for r in results]

@@ -99,15 +99,20 @@ class Watchdog:
                 # one's completion, and the buckets would run one at a time.
                 sequence = graph_order.unordered(tf.raw_ops.ResourceCountUpTo(
                     resource=self.issued.handle, limit=_NO_LIMIT, T=tf.int64)) + 1
-        marks = [sequence]
         if recorder is not None:
-            marks.append(recorder.issued(sequence, dict(site or {})))
-        with tf.control_dependencies(marks):
+            recorder.issued(sequence, dict(site or {}))
+        # The collective waits for its inputs only: the count and the row run
+        # beside it, off its path (a few small ops cost milliseconds each on
+        # busy cores: BENCHMARKS.md section 11), and still run when it hangs.
+        with tf.control_dependencies(list(inputs)):
             result = issue()
-        with tf.control_dependencies(tf.nest.flatten(result)):
+        # Completed after counted: the watchdog never sees more completed
+        # collectives than issued.
+        results = tf.nest.flatten(result)
+        with tf.control_dependencies(results + [sequence]):
             self.completed.assign_add(1)
-            if recorder is not None:
-                recorder.completed(sequence)
+        if recorder is not None:
+            recorder.completed(sequence, after=results)
         return result
 
     def pending(self):
