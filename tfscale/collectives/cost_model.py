@@ -244,7 +244,8 @@ DEFAULT = CostModel(
 
 
 def fit(measurements, node_sizes, prior=DEFAULT):
-    """Fits alpha and beta of both link classes to measured times.
+    """Fits alpha and beta of both link classes, and `op_seconds`, to
+    measured times.
 
     Least squares on relative errors (times span microseconds to seconds),
     with every parameter kept >= 0. A parameter that no measurement depends on
