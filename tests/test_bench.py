@@ -34,6 +34,16 @@ def bench(tmp_path, *args, timeout=240, returncode=0):
     return process.stdout
 
 
+def bench_fails(tmp_path, *args):
+    """A tfscale-bench run that must end in exit code 1 without a traceback."""
+    process = subprocess.run(
+        [sys.executable, "-m", "tfscale.launch.bench", *args], cwd=str(tmp_path), env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert process.returncode == 1, process.stderr[-3000:]
+    assert "Traceback" not in process.stderr
+    return process
+
+
 @pytest.fixture(scope="module")
 def allreduce_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bench")
@@ -122,19 +132,10 @@ def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):
 
 
 def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
-    process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", "allreduce", "--algorithms=stock,ringg"],
-        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, timeout=120)
-    assert process.returncode == 1
+    process = bench_fails(tmp_path, "allreduce", "--algorithms=stock,ringg")
     assert "tfscale-bench allreduce: --algorithms: 'ringg' is unknown" in process.stderr
-    assert "Traceback" not in process.stderr
     # PowerSGD compresses whole gradients in training, not single buffers.
-    process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", "allreduce", "--compression=powersgd"],
-        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, timeout=120)
-    assert process.returncode == 1 and "Traceback" not in process.stderr
+    process = bench_fails(tmp_path, "allreduce", "--compression=powersgd")
     assert ("--compression values must be none or one of bfloat16, float16. "
             "Received: --compression=powersgd") in process.stderr
 
@@ -144,11 +145,7 @@ def test_gpucheck_without_gpus_says_so_in_one_line_and_starts_no_worker(tmp_path
 
     if tf.config.list_physical_devices("GPU"):
         pytest.skip("this machine has GPUs: gpucheck would run")
-    process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", "gpucheck"], cwd=str(tmp_path),
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        timeout=120)
-    assert process.returncode == 1
+    process = bench_fails(tmp_path, "gpucheck")
     lines = [l for l in process.stderr.splitlines() if l.startswith("tfscale-bench")]
     assert lines == [
         "tfscale-bench gpucheck: TensorFlow sees no GPU on this machine "
@@ -215,10 +212,6 @@ def test_fixedcost_times_bare_ops_stock_and_each_algorithm_on_one_float(tmp_path
     # hybrid does not choose halving-doubling, which measures slowest here.
     assert plans["hybrid"][0][0] in ("ring", "hierarchical")
     assert "2 workers (ms)" in stdout and "floor" in stdout
-    process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", "fixedcost", "--worker_counts=1"],
-        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, timeout=120)
-    assert process.returncode == 1 and "Traceback" not in process.stderr
+    process = bench_fails(tmp_path, "fixedcost", "--worker_counts=1")
     assert ("tfscale-bench fixedcost: --worker_counts: each needs >= 2 workers. "
             "Received: 1") in process.stderr

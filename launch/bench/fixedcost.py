@@ -127,9 +127,12 @@ def summarize(outputs, count):
 
 
 def header(counts):
-    where = (f"{FLAGS.emulate_nodes} emulated nodes, inter-node link "
-             f"{FLAGS.inter_node_rate}" if FLAGS.emulate_nodes
-             else "loopback (127.0.0.1), workers split into 2 nodes for tfscale")
+    if FLAGS.emulate_nodes:
+        where = f"{FLAGS.emulate_nodes} emulated nodes, inter-node link {FLAGS.inter_node_rate}"
+    elif FLAGS.local_size:
+        where = f"loopback (127.0.0.1), nodes of {FLAGS.local_size} for tfscale"
+    else:
+        where = "loopback (127.0.0.1), workers split into 2 nodes for tfscale"
     return (f"# tfscale-bench fixedcost: all-reduce of one float32 (4 bytes); "
             f"{', '.join(map(str, counts))} workers; {where}; median over "
             f"{FLAGS.repeats} calls of the slowest worker, after {FLAGS.warmup} "

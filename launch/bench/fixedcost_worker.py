@@ -41,7 +41,7 @@ def measure(spec):
     """Measures every case of this side on this worker (as allreduce_worker)."""
     if spec["side"] == cluster.STOCK:
         cases = allreduce_worker.stock_cases(dict(spec, bytes_per_pack=0))
-        cases += bare_cases(cases[0]["strategy"])
+        cases += bare_cases(cases[0]["strategy"], cases[0]["barrier"])
     else:
         cases = allreduce_worker.tfscale_cases(spec)
         if any(config[1] == "ring" for config in spec["configs"]):
@@ -75,8 +75,9 @@ def measure(spec):
     return {"rank": rank, "num_workers": strategy.num_workers, "rows": rows}
 
 
-def bare_cases(strategy):
-    """Bare TensorFlow collective ops on `strategy`'s workers, one float32.
+def bare_cases(strategy, barrier):
+    """Bare TensorFlow collective ops on `strategy`'s workers, one float32
+    (`barrier`: the strategy's, which starts each timed call).
 
     - "function call, no collective": the floor of calling a `tf.function`
       from Python and reading its result.
@@ -93,7 +94,6 @@ def bare_cases(strategy):
     """
     n = strategy.num_workers
     device = strategy.extended.worker_devices[0]
-    barrier = agreement.barrier(strategy)
     with tf.device(device):
         new_key = tf.Variable(BARE_INSTANCE_KEY + 1000, dtype=tf.int32, trainable=False)
 

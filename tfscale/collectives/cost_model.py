@@ -15,7 +15,8 @@ between nodes. For a buffer of S bytes on m nodes of k workers (n = m k):
 (`_e` is `inter` when m > 1, else `intra`.) Each stage is one collective
 op, and each op also costs `op_seconds` whatever its size (halving_doubling:
 one op per pairwise step): with TensorFlow's collectives that fixed cost,
-not link latency, decides small buffers (BENCHMARKS.md section 11). For halving_doubling, p' is the
+not link latency, decides small buffers (BENCHMARKS.md section 11).
+For halving_doubling, p' is the
 largest power of two <= n and nodes are taken to hold consecutive ranks: a
 step whose pairs all stay inside nodes uses `intra`, one where c workers of a
 node exchange with other nodes moves c x the step's bytes over that node's
@@ -298,6 +299,8 @@ def fit(measurements, node_sizes, prior=DEFAULT):
     def predictions(model):
         return [model.predict(a, s, node_sizes, c) for a, s, _, c in rows]
 
+    times = [t for _, _, t, _ in rows]
+
     # Only the parameters some measurement depends on move (one node never
     # uses the `inter` link); the rest keep the prior's values.
     start = predictions(model_of(np.ones(5)))
@@ -310,7 +313,7 @@ def fit(measurements, node_sizes, prior=DEFAULT):
         return x
 
     def residuals(x_free):
-        return [p / t - 1.0 for p, (_, _, t, _) in zip(predictions(model_of(full(x_free))), rows)]
+        return [p / t - 1.0 for p, t in zip(predictions(model_of(full(x_free))), times)]
 
     result = optimize.least_squares(
         residuals, np.ones(sum(free)), bounds=(0.0, np.inf), x_scale=1.0, diff_step=1e-6,

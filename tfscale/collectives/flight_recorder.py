@@ -191,10 +191,10 @@ class FlightRecorder:
         slot = tf.math.floormod(sequence - 1, self.capacity)
         # Issued once its inputs are (`sequence` waits for them); with the
         # timeline on, inside its span. Stamp and row run in no program
-        # order (`graph_order.unordered`): a stamp or a row write ordered
-        # after the bookkeeping traced before it (the previous bucket's
-        # completion, `timed_all_reduce`'s stamp of the last gradient) would
-        # hold this collective back, as the collective waits for its row.
+        # order (`graph_order.unordered`): ordered after the bookkeeping
+        # traced before it (the previous bucket's completion,
+        # `timed_all_reduce`'s stamp of the last gradient), the stamp would
+        # record that moment instead of this collective's issue.
         span = self._span() if self.stamps is not None else None
         issued = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(
             [sequence] + ([span.last_stamp] if span is not None else [])))

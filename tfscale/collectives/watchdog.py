@@ -86,9 +86,13 @@ class Watchdog:
         """`issue()` (a collective op, described by `site`), counted: issued
         once `inputs` are ready, completed once its results are; and
         recorded (not inside XLA, which has no `tf.timestamp`)."""
-        recorder = None if accessors.in_xla_context() else self.recorder
+        in_xla = accessors.in_xla_context()
+        recorder = None if in_xla else self.recorder
+        # The collective waits for its inputs only: the count and the row run
+        # beside it, off its path (a few small ops cost milliseconds each on
+        # busy cores: BENCHMARKS.md section 11), and still run when it hangs.
         with tf.control_dependencies(list(inputs)):
-            if accessors.in_xla_context():
+            if in_xla:
                 # XLA has no kernel for the fetch-and-add below.
                 sequence = tf.convert_to_tensor(self.issued.assign_add(1))
             else:
@@ -99,12 +103,8 @@ class Watchdog:
                 # one's completion, and the buckets would run one at a time.
                 sequence = graph_order.unordered(tf.raw_ops.ResourceCountUpTo(
                     resource=self.issued.handle, limit=_NO_LIMIT, T=tf.int64)) + 1
-        if recorder is not None:
-            recorder.issued(sequence, dict(site or {}))
-        # The collective waits for its inputs only: the count and the row run
-        # beside it, off its path (a few small ops cost milliseconds each on
-        # busy cores: BENCHMARKS.md section 11), and still run when it hangs.
-        with tf.control_dependencies(list(inputs)):
+            if recorder is not None:
+                recorder.issued(sequence, dict(site or {}))
             result = issue()
         # Completed after counted: the watchdog never sees more completed
         # collectives than issued.
