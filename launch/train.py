@@ -30,6 +30,7 @@ from tfscale import agreement
 from tfscale import batch_growth
 from tfscale import callbacks
 from tfscale import checkpoint
+from tfscale import collectives
 from tfscale import data
 from tfscale import evaluator
 from tfscale import export
@@ -91,6 +92,8 @@ def validate_flags(config):
             "model_dir", None if is_evaluator(config) else config.model_dir)
         preflight.check_writable_dir("export_dir", config.export_dir)
         preflight.check_writable_dir("tensorboard_dir", config.tensorboard_dir)
+        if config.cost_model:
+            collectives.cost_model.load(config.cost_model)
         if config.dataset == "imagenet":
             data.check_imagenet_source(config.data_dir, config.manual_dir)
     except (ValueError, FileNotFoundError) as error:  # PreflightError too
@@ -112,11 +115,14 @@ def is_evaluator(config):
 
 
 def shared_settings(config):
-    """The settings every worker must agree on: flags and versions."""
-
+    """The settings every worker must agree on: flags and versions, and
+    the cost model's contents (not only its path: it orders auto's
+    candidates and picks hybrid's algorithms, the same on every worker)."""
 
     return dict(
         config.shared,
+        cost_model=(collectives.cost_model.load(config.cost_model).get_config()
+                    if config.cost_model else None),
         tfscale_version=tfscale.__version__,
         tensorflow_version=tf.__version__,
         keras_version=keras.__version__,
@@ -149,6 +155,9 @@ def strategy_from_flags(config):
             timeout_seconds=config.collective_timeout,
             implementation=config.implementation,
             timeline=config.timeline,
+            cost_model=(collectives.cost_model.load(config.cost_model)
+                        if config.cost_model else None),
+            autotune_dir=config.model_dir if config.algorithm == "auto" else None,
         ),
         startup_timeout_seconds=config.startup_timeout or None,
     )
@@ -159,7 +168,8 @@ def powersgd_options(config):
     defaults where not given) under --compression=powersgd, else None."""
 
     given = {name: value for name, value in (
-        ("rank", config.powersgd_rank), ("start_step", config.powersgd_start_step))
+        ("rank", config.powersgd_rank), ("start_step", config.powersgd_start_step),
+        ("bucket_bytes", config.powersgd_bucket_bytes))
         if value is not None}
     if config.compression != "powersgd":
         if given:

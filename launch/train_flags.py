@@ -173,9 +173,19 @@ def _define_communication_flags():
     flags.DEFINE_enum(
         "algorithm", None, collectives.ALGORITHMS,
         "All-reduce algorithm per fused buffer "
-        "(tfscale.CommunicationOptions); unset: hybrid over TensorFlow's "
+        "(tfscale.CommunicationOptions); auto: each buffer's fastest, "
+        "measured in the first steps, stored in --model_dir/autotune.json "
+        "and reused on restart; unset: hybrid over TensorFlow's "
         "ring, ring over NCCL (one NCCL all-reduce per buffer over all "
         "workers, NCCL's own ring or tree inside).",
+    )
+    flags.DEFINE_string(
+        "cost_model", None,
+        "A cost model fitted to this cluster: the JSON `tfscale-bench project "
+        "--fitted_output` writes (or CostModel.get_config()). It chooses "
+        "hybrid's algorithm per buffer and the chunks of hierarchical and 2d, "
+        "and orders --algorithm=auto's trials; unset: the default model "
+        "(not a measurement of your cluster).",
     )
     flags.DEFINE_integer(
         "hybrid_threshold_bytes", None,
@@ -202,6 +212,12 @@ def _define_communication_flags():
         "powersgd_start_step", None,
         "--compression=powersgd: optimizer updates all-reduced uncompressed "
         "before compression starts; unset: 10.", lower_bound=0)
+    flags.DEFINE_integer(
+        "powersgd_bucket_bytes", None,
+        "--compression=powersgd: gradient bytes per bucket of matrices "
+        "compressed together, last layer first, each started when backprop "
+        "has produced it; unset: one bucket after the last gradient.",
+        lower_bound=0)
     flags.DEFINE_enum(
         "implementation", "auto", collectives.implementation.IMPLEMENTATIONS,
         "What carries the collectives (TensorFlow's names): auto: NCCL when "

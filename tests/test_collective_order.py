@@ -114,3 +114,18 @@ def test_the_first_bucket_does_not_wait_for_the_last_gradient(bucket_ops, timed)
         f"bucket 0's first collective {first_bucket[0].name} waits for the "
         f"last gradient's input {last_gradient.name}")
     assert waits_for(bucket_ops[1][0], last_gradient)  # the check can see a path
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_auto_buckets_start_with_their_own_gradients_and_side_by_side(timed):
+    """Under algorithm="auto" each bucket's algorithm is a `Case` over the
+    candidates: bucket 0's waits only for its own tensor, and bucket 1's
+    does not wait for bucket 0's (4 workers in 2 nodes of 2, rank 0)."""
+    topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], 0, 2)
+    placeholders = trace(topology, "auto", timed=timed)
+    cases = [op for op in placeholders[0].graph.get_operations() if op.type == "Case"]
+    first = [op for op in cases if waits_for(op, placeholders[1])
+             and not waits_for(op, placeholders[0])]
+    second = [op for op in cases if waits_for(op, placeholders[0])]
+    assert len(first) == 1 and len(second) == 1, [op.name for op in cases]
+    assert not waits_for(second[0], first[0])

@@ -206,7 +206,7 @@ def test_halving_doubling_refuses_more_workers_than_its_pair_groups_fit():
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match=re.escape(
             "Argument `algorithm` must be one of ['ring', 'hierarchical', '2d', "
-            "'halving_doubling', 'hybrid']. Received: algorithm='tree'")):
+            "'halving_doubling', 'hybrid', 'auto']. Received: algorithm='tree'")):
         collectives.AllReduce(TWO_BY_TWO, "tree", 1000)
 
 

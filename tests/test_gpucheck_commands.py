@@ -144,7 +144,7 @@ def test_they_compare_every_algorithm_over_nccl_with_the_default_and_stock(fresh
         values = parsed.flag_values_dict()  # the next command clears `parsed`
         seen.setdefault(module.__name__, []).append((names, values))
     for names, values in seen[allreduce.__name__]:
-        assert names == {cluster.STOCK, *collectives.ALGORITHMS}
+        assert names == {cluster.STOCK, *collectives.FIXED_ALGORITHMS}
     sizes = stats.parse_sizes(seen[allreduce.__name__][0][1]["sizes"])
     assert min(sizes) <= 64 * 1024 and max(sizes) >= 64 * 2**20
     assert seen[allreduce.__name__][1][1]["gradients"] == "resnet50"

@@ -27,11 +27,12 @@ def test_defaults():
         "powersgd": None,
         "implementation": "auto",
         "timeline": None,
+        "autotune_dir": None,
     }
 
 
 def test_every_algorithm_and_compression_is_accepted():
-    for algorithm in ("ring", "hierarchical", "2d", "halving_doubling", "hybrid"):
+    for algorithm in ("ring", "hierarchical", "2d", "halving_doubling", "hybrid", "auto"):
         assert Options(algorithm=algorithm).algorithm == algorithm
     for compression in (None, "bfloat16", "float16", "powersgd"):
         assert Options(compression=compression).compression == compression
@@ -45,7 +46,7 @@ def test_powersgd_defaults_follow_pytorch_and_can_be_set():
     options = Options(compression="powersgd",
                       powersgd=PowerSGD(rank=1, start_step=0, min_compression_rate=1))
     assert options.powersgd.get_config() == {
-        "rank": 1, "start_step": 0, "min_compression_rate": 1.0}
+        "rank": 1, "start_step": 0, "min_compression_rate": 1.0, "bucket_bytes": None}
     assert Options.from_config(options.get_config()) == options
 
 
@@ -59,7 +60,7 @@ def test_options_are_frozen():
 @pytest.mark.parametrize("kwargs,message", [
     ({"algorithm": "tree"},
      "Argument `algorithm` must be None or one of ['ring', 'hierarchical', '2d', "
-     "'halving_doubling', 'hybrid']. Received: algorithm='tree'"),
+     "'halving_doubling', 'hybrid', 'auto']. Received: algorithm='tree'"),
     ({"fusion_threshold_bytes": -1},
      "Argument `fusion_threshold_bytes` must be an integer >= 0. "
      "Received: fusion_threshold_bytes=-1"),
@@ -83,7 +84,7 @@ def test_options_are_frozen():
     ({"compression": "bfloat16", "powersgd": PowerSGD(rank=2)},
      "Argument `powersgd` only applies to compression='powersgd'; this is "
      "compression='bfloat16'. Received: powersgd=PowerSGDOptions(rank=2, "
-     "start_step=10, min_compression_rate=2.0)"),
+     "start_step=10, min_compression_rate=2.0, bucket_bytes=None)"),
     ({"implementation": "NCCL"},
      "Argument `implementation` must be one of ['auto', 'ring', 'nccl']. "
      "Received: implementation='NCCL'"),
@@ -137,7 +138,7 @@ def test_repr_shows_every_argument():
         "CommunicationOptions(algorithm='2d', fusion_threshold_bytes=33554432, "
         "hybrid_threshold_bytes=None, local_size=2, compression=None, "
         "timeout_seconds=300.0, cost_model=None, time_all_reduces=True, "
-        "powersgd=None, implementation='auto', timeline=None)")
+        "powersgd=None, implementation='auto', timeline=None, autotune_dir=None)")
 
 
 def test_time_all_reduces_must_be_a_bool():

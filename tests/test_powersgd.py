@@ -255,3 +255,53 @@ def test_checkpoint_keeps_each_workers_state_and_resets_on_another_count(
     assert np.all(state.error[0].numpy() == 0) and np.all(state.q[0].numpy() == 3.0)
     assert ("holds PowerSGD error feedback of 2 workers; this run has 1. Each "
             "worker's error feedback belongs to its own gradients") in caplog.text
+
+
+def test_buckets_follow_backprop_and_each_starts_with_its_own_gradients():
+    """Matrices are bucketed last layer first; a bucket's P all-reduce waits
+    only for its own gradients (traced graph), and splitting into buckets
+    changes no result (identity sums, one process: bitwise)."""
+    shapes = [(3, 3, 16, 32), (32,), (3, 3, 32, 64), (64, 10)]
+    matrices = powersgd.plan(shapes, ["float32"] * 4, rank=4)
+    assert [m.index for m in matrices] == [0, 2, 3]
+    # Backward: tensor 3 (2,560 bytes) + tensor 2 (73,728) close a bucket
+    # of >= 40,000; tensor 0 goes alone.
+    assert powersgd.backward_buckets(matrices, 40_000) == [[1, 2], [0]]
+    assert powersgd.backward_buckets(matrices, None) == [[0, 1, 2]]
+    assert powersgd.backward_buckets(matrices, 0) == [[2], [1], [0]]
+
+    variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+    grads = [tf.random.stateless_normal(s, seed=[7, i]) for i, s in enumerate(shapes)]
+
+    def run(bucket_bytes, sums=None):
+        def sum_fn(tensors):
+            if sums is not None:
+                sums.append(list(tensors))
+            return list(tensors)
+        compressor = powersgd.PowerSGD(sum_fn, num_workers=1, start_step=0,
+                                       bucket_bytes=bucket_bytes)
+        optimizer = object()
+        compressor.state(optimizer, variables)
+        return compressor, optimizer
+
+    outputs = {}
+    for bucket_bytes in (None, 40_000):
+        compressor, optimizer = run(bucket_bytes)
+        outputs[bucket_bytes] = [o.numpy() for o in compressor.all_reduce(
+            grads, optimizer, variables, step=0)]
+    for one, bucketed in zip(outputs[None], outputs[40_000]):
+        np.testing.assert_array_equal(one, bucketed)
+
+    from tests.test_collective_order import waits_for
+    sums = []
+    compressor, optimizer = run(40_000, sums)
+    graph = tf.function(lambda *g: compressor.all_reduce(
+        list(g), optimizer, variables, step=0)).get_concrete_function(
+            *[tf.TensorSpec(s, tf.float32) for s in shapes]).graph
+    placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
+    # Calls: the uncompressed rest, then P and Q of each bucket.
+    assert len(sums) == 1 + 2 * 2
+    first_p = sums[1][0].op
+    assert waits_for(first_p, placeholders[3]) and waits_for(first_p, placeholders[2])
+    assert not waits_for(first_p, placeholders[0])
+    assert waits_for(sums[3][0].op, placeholders[0])

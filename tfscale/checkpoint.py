@@ -39,6 +39,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfscale import _atomic
 from tfscale._private import accessors
 from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
@@ -214,11 +215,7 @@ def _write_directory(trackable, final, record=None):
 
 def _write_json(path, record):
     """Writes `record` to `path` atomically (a temporary file, fsync, rename)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    _atomic.write_json(path, record)
 
 
 def _no_space(error):

@@ -313,7 +313,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
                 rank=communication.powersgd.rank,
                 start_step=communication.powersgd.start_step,
                 min_compression_rate=communication.powersgd.min_compression_rate,
-                log_plans=self.is_chief)
+                log_plans=self.is_chief,
+                bucket_bytes=communication.powersgd.bucket_bytes)
         keras_hooks.route_compile_loss_scaling(_compile_loss_scale_class)
         # Each worker's loss weighted by its share of the step's examples
         # (see `run`).
@@ -374,6 +375,11 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             exposed_communication_seconds=self._exposed_communication_seconds,
             implementation=self._implementation,
             note=self._flight_recorder.context,
+            autotuner=(collectives.autotune.AutoTuner(
+                accessors.local_devices(self)[0], communication.autotune_dir,
+                is_chief=self.is_chief)
+                if self._algorithm == collectives.autotune.NAME
+                and self._implementation != "nccl" else None),
         )
         # tfscale's collectives keep the timeout with one thread, not one
         # per collective, and are recorded (the flight recorder).
@@ -545,6 +551,12 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         cross-node sub-groups of the topology, and the pairs of
         halving-doubling) the algorithms run on."""
         return self._all_reduce.groups(self.collective_group)
+
+    @property
+    def autotune(self):
+        """Under `algorithm="auto"`: the `tfscale.collectives.autotune.AutoTuner`
+        whose `choices()` tell each all-reduce's trials and choice; else None."""
+        return self._all_reduce.autotuner
 
     def all_reduce_plan(self, tensors):
         """The fused buckets (`tfscale.collectives.Bucket`) this strategy

@@ -33,6 +33,8 @@ import json
 import os
 import sys
 
+from tfscale import _atomic
+
 FILE_PATTERN = "worker-*.json"
 MERGED = "timeline.json"
 # Lanes of a worker, top to bottom (buckets and their collectives between).
@@ -138,10 +140,7 @@ def worker_trace(worker, spans, collectives, clock_offset_seconds, host):
 
 def write(path, trace):
     """Writes `trace` to `path` whole or not at all."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(trace, f)
-    os.replace(path + ".tmp", path)
+    _atomic.write_json(path, trace)
     return path
 
 

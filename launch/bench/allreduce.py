@@ -11,13 +11,13 @@ does; it runs in its own launch, the tfscale algorithms in another, and
 list instead of single buffers.
 """
 
-import json
 import os
 import shutil
 import tempfile
 
 from absl import flags
 
+from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import report
 from tfscale.launch.bench import stats
@@ -69,9 +69,7 @@ def _cost_model():
     """The fitted cost model's config from --cost_model, or None."""
     if not FLAGS.cost_model:
         return None
-    with open(FLAGS.cost_model) as f:
-        config = json.load(f)
-    return config.get("cost_model", config)  # `project` nests it
+    return cost_model_lib.load(FLAGS.cost_model).get_config()
 
 
 def main():

@@ -32,7 +32,7 @@ def define_flags():
 
     local.define_flags()
     flags.DEFINE_list(
-        "algorithms", [STOCK, *collectives.ALGORITHMS],
+        "algorithms", [STOCK, *collectives.FIXED_ALGORITHMS],
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
         f"({', '.join(collectives.ALGORITHMS)}).")
     flags.DEFINE_list(

@@ -11,7 +11,10 @@ from a source named beside it or marked as an assumption; nothing here is a
 measurement of that hardware. The all-reduce of one training step is planned
 by tfscale's own `collectives.plan` (fusion in backward order, the hybrid
 threshold and chunk counts from the cost model) over the model's real
-gradient shapes, and each bucket's time predicted by the cost model. Compute
+gradient shapes, and each bucket's time predicted by the cost model, which
+counts each collective op's fixed cost (NCCL's small-message all-reduce
+time, cited; what section 11 of BENCHMARKS.md measures for TensorFlow's op
+on CPU can be put in its place with --op_seconds). Compute
 and communication are assumed not to overlap (a conservative bound on the
 step time), so scaling efficiency e = t_compute / (t_compute + t_allreduce).
 
@@ -65,6 +68,10 @@ def define_flags():
                          lower_bound=1)
     flags.DEFINE_float("alpha_scale", 1.0, "Multiply the paper hardware's "
                        "latencies by this (sensitivity check).", lower_bound=0)
+    flags.DEFINE_float("op_seconds", None, "The fixed cost of one collective op "
+                       "on the paper's hardware; unset: the cited NCCL figure "
+                       "(60 us; see the assumption). 1e-3: TensorFlow's op as "
+                       "measured here (sensitivity check).", lower_bound=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +98,20 @@ def paper_assumptions():
                    "NOT FOUND for the paper's cluster. Stand-in: one-way RDMA "
                    "latency of a 32-byte message, ib_send_lat, 0.8 us (table in "
                    "git.dennispotter.eu/Dennis/masters-thesis, tables/"
-                   "mtu_performance.tex). Software overhead per collective step "
-                   "(NCCL, kernel launches) is not in it: optimistic"),
+                   "mtu_performance.tex). Software overhead per collective op "
+                   "(NCCL, kernel launches) is the next assumption"),
         Assumption("intra-node latency alpha (s)", 0.8e-6,
                    "NOT FOUND; assumed equal to the inter-node stand-in"),
+        Assumption("fixed cost of one collective op (s)", 60e-6,
+                   "what one NCCL all-reduce of a few bytes takes, launch and "
+                   "synchronisation included: 54.2 us for 8 bytes on 8 PCIe GPUs "
+                   "without NVLink in one node (nccl-tests all_reduce_perf, "
+                   "github.com/NVIDIA/nccl/issues/1439), 61.6 us for 128 bytes "
+                   "across InfiniBand H100 nodes (github.com/NVIDIA/nccl/issues/"
+                   "1453); rounded to 60 us. tfscale measured TensorFlow's op on "
+                   "CPU workers over gRPC at 1.0 ms (2 workers, a core each) to "
+                   "7.7 ms (8 workers on 2 cores), BENCHMARKS.md section 11: "
+                   "--op_seconds=1e-3 projects with that instead"),
         Assumption("single-GPU ResNet-50 throughput (images/s)", 218,
                    f"{PAPER}, mixed precision on one P40 (172 in FP32): "
                    f"'172 -> 218 img/s' in {DESIGN}"),
@@ -114,12 +131,17 @@ def paper_assumptions():
     ]
 
 
+def _paper_rate_ratio():
+    """ResNet-50: the paper's images/s per GPU on 2048 over one GPU's 218."""
+    return 90 * IMAGENET_TRAIN_IMAGES / (6.6 * 60) / 2048 / 218
+
+
 def paper_reported():
     """The paper's figures printed beside the projection, with their source.
 
     Derived values say how they were derived from reported ones.
     """
-    resnet_rate = 90 * IMAGENET_TRAIN_IMAGES / (6.6 * 60)
+    resnet_rate = _paper_rate_ratio() * 2048 * 218
     alexnet_rate = 95 * IMAGENET_TRAIN_IMAGES / (4 * 60)
     return {
         "resnet50": [
@@ -184,7 +206,8 @@ def fit_table(model, rows, node_sizes):
 
 
 def describe_model(model):
-    return (f"intra: alpha {model.intra.alpha * 1e6:.1f} us, "
+    return (f"op {model.op_seconds * 1e6:.1f} us; "
+            f"intra: alpha {model.intra.alpha * 1e6:.1f} us, "
             f"{1 / model.intra.beta / 1e6 if model.intra.beta else math.inf:.1f} MB/s; "
             f"inter: alpha {model.inter.alpha * 1e6:.1f} us, "
             f"{1 / model.inter.beta / 1e6 if model.inter.beta else math.inf:.1f} MB/s")
@@ -279,7 +302,8 @@ def main():
         if FLAGS.fitted_output:
             stats.write_json(result["fit"], FLAGS.fitted_output)
             print(f"tfscale-bench: wrote the fitted model to {FLAGS.fitted_output}")
-    result.update(_project_paper_hardware(_gpu_counts(FLAGS.gpus), FLAGS.alpha_scale))
+    result.update(_project_paper_hardware(_gpu_counts(FLAGS.gpus), FLAGS.alpha_scale,
+                                          FLAGS.op_seconds))
     if FLAGS.output:
         stats.write_json(result, FLAGS.output)
         print(f"tfscale-bench: wrote {FLAGS.output}")
@@ -316,7 +340,7 @@ def _fit_measurements(path):
             "measurements": path}
 
 
-def _project_paper_hardware(gpu_counts, alpha_scale):
+def _project_paper_hardware(gpu_counts, alpha_scale, op_seconds=None):
     """(b): projects both models to the paper's hardware; prints each table
     beside what the paper reports."""
     from tfscale.collectives import cost_model as cost_model_lib
@@ -327,12 +351,17 @@ def _project_paper_hardware(gpu_counts, alpha_scale):
         intra=cost_model_lib.Link(values["intra-node latency alpha (s)"] * alpha_scale,
                                   1 / values["intra-node bandwidth (bytes/s per direction)"]),
         inter=cost_model_lib.Link(values["inter-node latency alpha (s)"] * alpha_scale,
-                                  1 / values["inter-node bandwidth (bytes/s per direction)"]))
+                                  1 / values["inter-node bandwidth (bytes/s per direction)"]),
+        op_seconds=(values["fixed cost of one collective op (s)"] if op_seconds is None
+                    else op_seconds))
     print("\n# (b) projection to the paper's hardware. Assumptions and their sources:")
     for a in assumptions:
         print(f"#   {a.name} = {a.value}: {a.source}")
     if alpha_scale != 1:
         print(f"#   both alphas multiplied by --alpha_scale={alpha_scale:g} (sensitivity check)")
+    if op_seconds is not None:
+        print(f"#   fixed cost of one collective op set by --op_seconds={op_seconds:g} "
+              "(sensitivity check)")
     print(f"# cost model: {describe_model(paper_model)}")
     shapes = {name: gradients.shapes(name) for name in ("resnet50", "alexnet_bn")}
     rows = project(paper_model, shapes, gpu_counts, assumptions, FLAGS.powersgd_rank)
@@ -353,6 +382,14 @@ def _project_paper_hardware(gpu_counts, alpha_scale):
         print("# the paper reports:")
         for line in reported[name]:
             print(f"#   {line}")
+        last = model_rows[-1]
+        if last["t_compute"]:
+            print(f"# at {last['gpus']} GPUs the projection's best e is "
+                  f"{max(last[f'e_{k}'] for k in _PROJECTED):.2f} (all-reduce not "
+                  "overlapped); the paper's end-to-end rate per GPU over the "
+                  f"single-GPU rate is {_paper_rate_ratio():.2f} (it also counts "
+                  "input, evaluation and start-up)")
     return {"projection": rows,
             "assumptions": [dataclasses.asdict(a) for a in assumptions],
-            "alpha_scale": alpha_scale, "paper_reported": reported}
+            "alpha_scale": alpha_scale, "op_seconds": paper_model.op_seconds,
+            "paper_reported": reported}

@@ -45,7 +45,7 @@ def define_flags():
     local.define_flags()
     flags.DEFINE_list("worker_counts", ["2", "4", "8", "16"],
                       "Numbers of workers to start, one launch each.")
-    flags.DEFINE_list("algorithms", [DEFAULT, *collectives.ALGORITHMS],
+    flags.DEFINE_list("algorithms", [DEFAULT, *collectives.FIXED_ALGORITHMS],
                       f"{DEFAULT} (CommunicationOptions()) and/or tfscale "
                       f"algorithms ({', '.join(collectives.ALGORITHMS)}).")
     flags.DEFINE_integer("global_batch", 37, "Examples per step over all "

@@ -25,13 +25,13 @@ compression). Ethernet/IP/TCP headers and gRPC framing also cross the link
 and are not in S: even a perfect algorithm stays a few percent above it.
 """
 
-import json
 import math
-import os
 import re
 import statistics
 
 import numpy as np
+
+from tfscale import _atomic
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -247,7 +247,4 @@ def _cell(value):
 def write_json(value, path):
     """Writes `value` as JSON to `path`, creating its directory; a reader
     sees the old file or the whole new one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(path + ".tmp", path)
+    _atomic.write_json(path, value, indent=1)

@@ -64,6 +64,10 @@ def define_flags():
     flags.DEFINE_integer(
         "powersgd_start_step", 0, "--compression=powersgd: updates all-reduced "
         "uncompressed first (0: every timed step is compressed).", lower_bound=0)
+    flags.DEFINE_integer(
+        "powersgd_bucket_bytes", None, "--compression=powersgd: gradient bytes "
+        "per bucket of matrices compressed together (PowerSGDOptions."
+        "bucket_bytes); unset: one bucket.", lower_bound=0)
     flags.DEFINE_string("output", None, "Write the rows as JSON here.")
     flags.DEFINE_bool("plot", False, "With --output: also write a PNG of "
                       "images/s per configuration next to it.")
@@ -158,6 +162,7 @@ def main():
         "collective_timeout": FLAGS.collective_timeout,
         "powersgd_rank": FLAGS.powersgd_rank,
         "powersgd_start_step": FLAGS.powersgd_start_step,
+        "powersgd_bucket_bytes": FLAGS.powersgd_bucket_bytes,
     }
     work_dir = tempfile.mkdtemp(prefix="tfscale-bench-train-")
     try:
@@ -176,7 +181,8 @@ def main():
     for row in rows:
         if row["config"].endswith("+" + collectives.powersgd.NAME):
             row.update(powersgd_rank=FLAGS.powersgd_rank,
-                       powersgd_start_step=FLAGS.powersgd_start_step)
+                       powersgd_start_step=FLAGS.powersgd_start_step,
+                       powersgd_bucket_bytes=FLAGS.powersgd_bucket_bytes)
         row.update(model=FLAGS.model, image_size=FLAGS.image_size,
                    steps=FLAGS.steps, **{k: ctx[k] for k in (
                        "node_sizes", "local_size", "emulate_nodes", "inter_node_rate")})

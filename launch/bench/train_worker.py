@@ -60,7 +60,8 @@ def _strategy(spec):
         powersgd = None
         if spec["compression"] == collectives.powersgd.NAME:
             powersgd = tfscale.PowerSGDOptions(
-                rank=spec["powersgd_rank"], start_step=spec["powersgd_start_step"])
+                rank=spec["powersgd_rank"], start_step=spec["powersgd_start_step"],
+                bucket_bytes=spec.get("powersgd_bucket_bytes"))
         return tfscale.Strategy(communication=tfscale.CommunicationOptions(
             algorithm=spec["algorithm"], compression=spec["compression"],
             local_size=spec["local_size"],

@@ -46,3 +46,15 @@ def unordered(value):
     if manager is not None:
         manager.run_independently(op)
     return value
+
+
+def unordered_case(output):
+    """Lets the `Case` (or `If`) op computing `output` run once its inputs
+    are ready (`unordered`); its outputs may come through `Identity`.
+    Eager: nothing to do."""
+    op = getattr(output, "op", None)  # None when eager
+    if op is None:
+        return
+    while op.type == "Identity":
+        op = op.inputs[0].op
+    unordered(op)

@@ -11,6 +11,7 @@ Pure tensor functions, and the plan that ties them together for
   one buffer.
 - `cost_model`: alpha-beta predictions, the hybrid threshold, chunk counts.
 - `plan`: per fused bucket, the algorithm and its chunking.
+- `autotune`: algorithm="auto", each bucket's algorithm chosen by measuring it.
 - `powersgd`: gradient matrices as low-rank factors, with error feedback.
 - `all_reduce`: `AllReduce` carries a plan out on this worker's groups.
 - `watchdog`: the collective timeout, kept by one thread per worker.
@@ -18,6 +19,7 @@ Pure tensor functions, and the plan that ties them together for
 """
 
 from tfscale.collectives import algorithms
+from tfscale.collectives import autotune
 from tfscale.collectives import compression
 from tfscale.collectives import cost_model
 from tfscale.collectives import flight_recorder
@@ -33,6 +35,7 @@ from tfscale.collectives.all_reduce import fused_all_reduce
 from tfscale.collectives.all_reduce import make_groups
 from tfscale.collectives.all_reduce import timed_all_reduce
 from tfscale.collectives.plan import ALGORITHMS
+from tfscale.collectives.plan import FIXED_ALGORITHMS
 from tfscale.collectives.plan import COMPRESSIONS
 from tfscale.collectives.plan import MAX_2D_LOCAL_SIZE
 from tfscale.collectives.plan import Bucket

@@ -3,6 +3,7 @@
 
 import contextlib
 import dataclasses
+import functools
 
 from absl import logging
 import tensorflow as tf
@@ -10,12 +11,14 @@ import tensorflow as tf
 from tfscale._private import accessors
 from tfscale._private import tf_collectives
 from tfscale.collectives import algorithms
+from tfscale.collectives import autotune as autotune_lib
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.collectives import fusion
 from tfscale.collectives import implementation as implementation_lib
 from tfscale.collectives import topology as topology_lib
 from tfscale.collectives.plan import ALGORITHMS
+from tfscale.collectives.plan import auto_plan
 from tfscale.collectives.plan import check_supported
 from tfscale.collectives.plan import describe_plan
 from tfscale.collectives.plan import plan
@@ -78,7 +81,8 @@ def make_groups(world, topology):
     )
 
 
-def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
+def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
+                     tuning_call=None):
     """Sums `tensors` over all workers following a plan.
 
     Args:
@@ -92,6 +96,8 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
             number, the bucket count, its algorithm and the `indices` of its
             tensors in the order given (`FlightRecorder.context`); and, as
             spans of the timeline, the bucket and each of its stages.
+        tuning_call: for buckets of algorithm "auto": the `autotune.Call`
+            that runs one of their candidates.
 
     Returns:
         The summed tensors, in the order given.
@@ -117,8 +123,14 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
                 wire, context = compression_lib.compress(
                     buffer, compressing, num_workers, max_all_reduce)
             with span(bucket.algorithm, wire):
-                reduced = algorithms.BUFFER_ALGORITHMS[bucket.algorithm](
-                    wire, groups, bucket.num_chunks)
+                if bucket.algorithm == autotune_lib.NAME:
+                    reduced = tuning_call.run(number, wire, {
+                        algorithm: functools.partial(
+                            _run_algorithm, algorithm, wire, groups, num_chunks, note)
+                        for algorithm, num_chunks in bucket.candidates})
+                else:
+                    reduced = algorithms.BUFFER_ALGORITHMS[bucket.algorithm](
+                        wire, groups, bucket.num_chunks)
             with span("decompress", reduced) if compressing else contextlib.nullcontext():
                 reduced = compression_lib.decompress(reduced, context)
             with span("unpack", reduced):
@@ -126,6 +138,13 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None):
         for i, tensor in zip(bucket.indices, pieces):
             results[i] = tensor
     return results
+
+
+def _run_algorithm(algorithm, buffer, groups, num_chunks, note):
+    """One candidate of an "auto" bucket, its collectives described as
+    that algorithm's."""
+    with note(algorithm=algorithm) if note else contextlib.nullcontext():
+        return algorithms.BUFFER_ALGORITHMS[algorithm](buffer, groups, num_chunks)
 
 
 class AllReduce:
@@ -159,13 +178,15 @@ class AllReduce:
         note: `None`, or `fn(**fields)` describing each bucket's collectives
             (see `fused_all_reduce`; `indices` in the order given to
             `__call__`).
+        autotuner: algorithm="auto" only: the `autotune.AutoTuner` keeping
+            its trials and choices; `None`: one of its own (no directory).
     """
 
     def __init__(
         self, topology, algorithm, fusion_threshold_bytes,
         hybrid_threshold_bytes=None, compression=None, cost_model=None,
         log_plans=False, exposed_communication_seconds=None,
-        implementation="ring", note=None,
+        implementation="ring", note=None, autotuner=None,
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(
@@ -174,6 +195,14 @@ class AllReduce:
             )
         check_supported(topology, algorithm)
         tf_collectives.check_resolved(implementation)
+        if algorithm == autotune_lib.NAME and implementation == "nccl":
+            raise NotImplementedError(
+                "algorithm='auto' tries TensorFlow-ring algorithms; over NCCL use "
+                "algorithm='ring' (NCCL picks its own ring or tree), or "
+                "implementation='ring' to tune over TensorFlow's ring.")
+        if algorithm == autotune_lib.NAME and autotuner is None:
+            autotuner = autotune_lib.AutoTuner()
+        self.autotuner = autotuner
         self.topology = topology
         self.algorithm = algorithm
         self.fusion_threshold_bytes = fusion_threshold_bytes
@@ -194,9 +223,12 @@ class AllReduce:
     def plan(self, tensors):
         """The buckets for `tensors` (given in forward order)."""
         backward = list(reversed(tensors))
+        sizes, dtypes = [fusion.size_bytes(t) for t in backward], [t.dtype for t in backward]
+        if self.algorithm == autotune_lib.NAME:
+            return auto_plan(sizes, dtypes, self.topology, self.fusion_threshold_bytes,
+                             self.compression, self.cost_model)
         buckets = plan(
-            [fusion.size_bytes(t) for t in backward],
-            [t.dtype for t in backward],
+            sizes, dtypes,
             self.topology, self.algorithm, self.fusion_threshold_bytes,
             self.hybrid_threshold_bytes, self.compression, self.cost_model,
         )
@@ -212,7 +244,7 @@ class AllReduce:
                 f"but its group was made for {world.implementation!r}.")
         if id(world) not in self._groups:
             if self.algorithm == "ring" or (
-                self.topology.is_flat and self.algorithm in ("hierarchical", "2d")
+                self.topology.is_flat and self.algorithm in ("hierarchical", "2d", "auto")
             ):
                 groups = algorithms.Groups(world=world)  # no sub-groups needed
             else:
@@ -225,7 +257,17 @@ class AllReduce:
         """Sums `tensors` (dense, forward order) over all workers."""
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
-        self._log(buckets)
+        tuning = None
+        if any(b.candidates for b in buckets):
+            if accessors.in_xla_context():  # no tf.timestamp: no trials
+                buckets = [self._prior_choice(b) for b in buckets]
+            else:
+                names = next(b for b in buckets if b.candidates).candidates
+                tuning = self.autotuner.tuned_plan(
+                    self.autotuner.call_site(autotune_lib.plan_key(self.topology, buckets)),
+                    tuple(a for a, _ in names),
+                    [None if b.candidates else b.algorithm for b in buckets])
+        self._log(buckets, tuning)
         last = len(tensors) - 1
 
         def note(indices=None, **fields):  # indices in the order given to us
@@ -234,9 +276,11 @@ class AllReduce:
             return self.note(**fields)
 
         def reduce_fn(backward):
+            groups = self.groups(world)
             return fused_all_reduce(
-                backward, self.groups(world), buckets, self.compression,
+                backward, groups, buckets, self.compression,
                 note=note if self.note else None,
+                tuning_call=tuning and self.autotuner.begin(tuning, groups.world),
             )
 
         if self.exposed_communication_seconds is None:
@@ -245,7 +289,16 @@ class AllReduce:
             timed_all_reduce(reduce_fn, backward, self.exposed_communication_seconds)
         ))
 
-    def _log(self, buckets):
+    def _prior_choice(self, bucket):
+        """An "auto" bucket as the candidate the cost model predicts fastest."""
+        if not bucket.candidates:
+            return bucket
+        algorithm, num_chunks = min(bucket.candidates, key=lambda c: self.cost_model.predict(
+            c[0], bucket.wire_bytes, self.topology.node_sizes, c[1]))
+        return dataclasses.replace(bucket, algorithm=algorithm, num_chunks=num_chunks,
+                                   candidates=())
+
+    def _log(self, buckets, tuning=None):
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
         if not self.log_plans or key in self._logged:
             return
@@ -256,6 +309,14 @@ class AllReduce:
         elif self.algorithm == "hybrid":
             threshold = (f", hybrid threshold {self.hybrid_threshold_bytes:,} bytes "
                          "(given)")
+        elif tuning is not None and tuning.stored is not None:
+            threshold = ", auto: the choice stored in " + str(self.autotuner.path())
+        elif tuning is not None:
+            threshold = (f", auto: each bucket tries {', '.join(tuning.candidates)} in "
+                         f"turn for its first {tuning.trial_steps} calls (1 warm-up + "
+                         f"{autotune_lib.ROUNDS} timed each), then keeps its fastest")
+        elif self.algorithm == autotune_lib.NAME:
+            threshold = ", auto: one candidate here, or XLA: the cost model's choice"
         logging.info(
             "tfscale all-reduce of %d tensor(s) on %s: algorithm=%s, "
             "fusion_threshold_bytes=%s, compression=%s%s%s; %d bucket(s), "
@@ -263,5 +324,13 @@ class AllReduce:
             sum(len(b.indices) for b in buckets), self.topology.describe(),
             self.algorithm, f"{self.fusion_threshold_bytes:,}", self.compression,
             threshold, ", through NCCL" if self.implementation == "nccl" else "",
-            len(buckets), describe_plan(buckets),
+            len(buckets), describe_plan(buckets if tuning is None or tuning.stored is None
+                                        else self._stored_choices(buckets, tuning)),
         )
+
+    @staticmethod
+    def _stored_choices(buckets, tuning):
+        """The "auto" buckets as the stored choice of `tuning` makes them."""
+        return [dataclasses.replace(b, algorithm=tuning.candidates[c], candidates=(),
+                                    num_chunks=dict(b.candidates)[tuning.candidates[c]])
+                if b.candidates else b for b, c in zip(buckets, tuning.stored)]

@@ -34,6 +34,7 @@ times; `DEFAULT` is a starting point, not a measurement of your cluster.
 
 import collections
 import dataclasses
+import json
 import functools
 import math
 
@@ -242,6 +243,26 @@ DEFAULT = CostModel(
     inter=Link(alpha=150e-6, beta=1 / 1.25e9),
     op_seconds=1.0e-3,
 )
+
+
+def load(path):
+    """The `CostModel` in the JSON file `path`: its `get_config()`, or the
+    fit `tfscale-bench project --fitted_output` writes (which nests it under
+    "cost_model"). Raises ValueError naming the file when it holds neither."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        config = config.get("cost_model", config)
+        return CostModel.from_config(config)
+    except FileNotFoundError:
+        raise ValueError(f"Cost model file {path!r} does not exist.") from None
+    except OSError as error:
+        raise ValueError(f"Cost model file {path!r} cannot be read: {error}.") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"Cost model file {path!r} holds no cost model ({type(error).__name__}: "
+            f"{error}). Expected the JSON of `CostModel.get_config()` or of "
+            "`tfscale-bench project --fitted_output`.") from None
 
 
 def fit(measurements, node_sizes, prior=DEFAULT):

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale import flight_report
+from tfscale import _atomic
 from tfscale._private import accessors
 from tfscale._private import graph_order
 from tfscale.collectives import timeline_stamps
@@ -289,12 +290,9 @@ class FlightRecorder:
 
     def dump(self, directory):
         """Writes the records to `directory`/worker-I.json."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"worker-{self.worker}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"worker": self.worker, "records": self.records()}, f,
-                      default=str, indent=1)
-        os.replace(path + ".tmp", path)
+        _atomic.write_json(os.path.join(directory, f"worker-{self.worker}.json"),
+                           {"worker": self.worker, "records": self.records()},
+                           default=str, indent=1)
         return path
 
 

@@ -9,6 +9,7 @@ import os
 import tensorflow as tf
 
 from tfscale import _validation
+from tfscale.collectives import autotune as autotune_lib
 from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.collectives import implementation as implementation_lib
 from tfscale.collectives import powersgd as powersgd_lib
@@ -53,11 +54,19 @@ class PowerSGDOptions:
         min_compression_rate: a matrix is compressed only if it shrinks at
             least this many times, else it is all-reduced as it is
             (`min_compression_rate`).
+        bucket_bytes: gradient bytes per bucket of matrices compressed and
+            all-reduced together, last layer first; each bucket starts as
+            soon as backprop has produced its gradients (PyTorch's hook runs
+            per DDP bucket, `bucket_cap_mb`). `None` (default): one bucket,
+            after the last gradient: where workers share CPU cores there is
+            no idle core to overlap with; 32 MiB buckets measured within the
+            run-to-run spread of one bucket (BENCHMARKS.md section 5).
     """
 
     rank: int = powersgd_lib.DEFAULT_RANK
     start_step: int = powersgd_lib.DEFAULT_START_STEP
     min_compression_rate: float = powersgd_lib.DEFAULT_MIN_COMPRESSION_RATE
+    bucket_bytes: int | None = None
 
     # (field, rule, check) of each argument.
     _RULES = (
@@ -67,10 +76,17 @@ class PowerSGDOptions:
         ("min_compression_rate", "a number >= 1 (a matrix is compressed only if "
          "it shrinks at least this many times)", _number(1)),
     )
+    # (field, rule, check) of each argument that may also be None.
+    _OPTIONAL_RULES = (
+        ("bucket_bytes", "an integer >= 0 (gradient bytes per bucket)", _integer(0),
+         "for one bucket"),
+    )
 
     def __post_init__(self):
         for name, rule, ok in self._RULES:
             _check(name, getattr(self, name), rule, ok)
+        for name, rule, ok, none_means in self._OPTIONAL_RULES:
+            _check(name, getattr(self, name), rule, ok, none_means)
         object.__setattr__(self, "min_compression_rate",
                            float(self.min_compression_rate))
 
@@ -108,14 +124,24 @@ class CommunicationOptions:
       threshold, the faster of ring and hierarchical by `cost_model`'s
       prediction (halving_doubling, measured slower on this runtime, is
       not among its choices: BENCHMARKS.md section 11).
+    - `"auto"`: per buffer, the fastest of ring, hierarchical and 2d as
+      measured by the job itself: during the first steps each buffer runs
+      each of them in turn on its real gradients (one warm-up and
+      `autotune.ROUNDS` timed steps each), then every worker keeps, for
+      each buffer, the one whose slowest worker was fastest (they agree by
+      one all-reduce of the times). The chief logs the choice and, given
+      `autotune_dir`, stores it there; a restart reuses it without trials.
+      `cost_model` orders the trials and breaks ties. Nothing to try with
+      one node or one worker per node (a ring); inside XLA no trials (the
+      cost model's choice). See `tfscale.collectives.autotune`.
 
     With one node, or one worker per node, "hierarchical" and "2d" run as a
     ring.
     The plan (each buffer's size and algorithm) is logged once on the chief.
 
     Args:
-        algorithm: `"hybrid"`, `"ring"`, `"hierarchical"`, `"2d"` or
-            `"halving_doubling"`. `None` (default): `"hybrid"` over
+        algorithm: `"hybrid"`, `"ring"`, `"hierarchical"`, `"2d"`,
+            `"halving_doubling"` or `"auto"`. `None` (default): `"hybrid"` over
             TensorFlow's ring, `"ring"` over NCCL (one NCCL all-reduce per
             buffer over all workers; NCCL picks its ring or tree), the path
             most run by others until tfscale's own have run on GPUs
@@ -197,6 +223,10 @@ class CommunicationOptions:
             (`tfscale._private.graph_order`), so `time_all_reduces`' exposed
             communication (and `StragglerReport`'s compute times) add up
             all-reduces that overlap: not comparable with a run without it.
+        autotune_dir: `algorithm="auto"` only: a directory (the job's model
+            directory) where the chief writes `autotune.json`, each
+            all-reduce's choice; a job started again with it finds its
+            choice there and tries nothing. `None`: choices are not kept.
     """
 
     algorithm: str | None = None
@@ -210,6 +240,7 @@ class CommunicationOptions:
     powersgd: PowerSGDOptions | None = None
     implementation: str = "auto"
     timeline: str | None = None
+    autotune_dir: str | None = None
 
     # (field, allowed values, whether None is allowed) of each choice.
     _CHOICES = (
@@ -287,6 +318,23 @@ class CommunicationOptions:
                     "`timeout_seconds` set; give both. Received: timeline="
                     f"{self.timeline!r}, timeout_seconds=None")
             object.__setattr__(self, "timeline", os.fspath(self.timeline))
+        if self.algorithm == autotune_lib.NAME and self.implementation == "nccl":
+            raise ValueError(
+                "algorithm='auto' tries TensorFlow-ring algorithms; over NCCL use "
+                "algorithm='ring' (NCCL picks its own ring or tree), or "
+                "implementation='ring'. Received: algorithm='auto', implementation='nccl'")
+        if self.autotune_dir is not None:
+            if self.algorithm != autotune_lib.NAME:
+                raise ValueError(
+                    "Argument `autotune_dir` only applies to algorithm='auto'; this "
+                    f"is algorithm={self.algorithm!r}. Received: autotune_dir="
+                    f"{self.autotune_dir!r}")
+            if not isinstance(self.autotune_dir, (str, os.PathLike)) or not str(
+                    self.autotune_dir):
+                raise TypeError(
+                    "Argument `autotune_dir` must be None or a directory path. "
+                    f"Received: autotune_dir={self.autotune_dir!r}")
+            object.__setattr__(self, "autotune_dir", os.fspath(self.autotune_dir))
 
     def get_config(self):
         config = {field.name: getattr(self, field.name)

@@ -10,6 +10,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfscale.collectives import algorithms
+from tfscale.collectives import autotune
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.collectives import fusion
@@ -18,8 +19,10 @@ from tfscale.collectives import topology as topology_lib
 # Algorithms a user can ask for: one of the buffer algorithms, or "hybrid":
 # per bucket, "hierarchical" below the hybrid threshold and "ring" at or
 # above it (Jia et al. 2018, section 4.3); without a threshold, the faster
-# of ring and hierarchical by the cost model.
-ALGORITHMS = (*algorithms.BUFFER_ALGORITHMS, "hybrid")
+# of ring and hierarchical by the cost model; or "auto", chosen per bucket by
+# measuring the job (`autotune`). Benchmarks compare the fixed ones.
+FIXED_ALGORITHMS = (*algorithms.BUFFER_ALGORITHMS, "hybrid")
+ALGORITHMS = (*FIXED_ALGORITHMS, autotune.NAME)
 # What "hybrid" chooses from. Not halving_doubling, the latency-optimal
 # algorithm on paper: TensorFlow has no point-to-point op, so each of its
 # 2 log2(n) steps is a collective op of its own over a pair group, and each
@@ -44,8 +47,11 @@ class Bucket:
             run time).
         dtype: dtype of its tensors.
         wire_dtype: dtype on the wire (differs from `dtype` when compressed).
-        algorithm: one of `algorithms.BUFFER_ALGORITHMS`.
+        algorithm: one of `algorithms.BUFFER_ALGORITHMS`, or "auto": one of
+            `candidates`, chosen at run time (`autotune`).
         num_chunks: independent chains the buffer is split into.
+        candidates: "auto" only: `(algorithm, num_chunks)` of each
+            algorithm tried, the cost model's fastest for the plan first.
     """
 
     indices: tuple
@@ -54,6 +60,7 @@ class Bucket:
     wire_dtype: tf.DType
     algorithm: str
     num_chunks: int
+    candidates: tuple = ()
 
     @property
     def wire_bytes(self):
@@ -170,6 +177,44 @@ def plan(
     return buckets
 
 
+def supports(topology, algorithm):
+    """Whether `algorithm` runs on `topology` (`check_supported`)."""
+    try:
+        check_supported(topology, algorithm)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def auto_plan(sizes_bytes, dtypes, topology, fusion_threshold_bytes,
+              compression=None, cost_model=None):
+    """The plan of algorithm="auto": `plan`'s buckets, each with the
+    candidates `autotune` tries (`Bucket.candidates`), ordered by the cost
+    model's prediction for the whole plan. With one candidate (one node,
+    one worker per node) its plain plan."""
+    model = cost_model or cost_model_lib.DEFAULT
+    names = autotune.candidates(topology, lambda a: supports(topology, a))
+    plans = {a: plan(sizes_bytes, dtypes, topology, a, fusion_threshold_bytes,
+                     compression=compression, cost_model=model) for a in names}
+
+    def predicted(algorithm):
+        return sum(model.predict(b.algorithm, b.wire_bytes, topology.node_sizes,
+                                 b.num_chunks) for b in plans[algorithm])
+
+    names = sorted(names, key=predicted)
+    if len(names) == 1:
+        return plans[names[0]]
+    buckets = []
+    for alike in zip(*(plans[a] for a in names)):
+        choices = tuple((b.algorithm, b.num_chunks) for b in alike)
+        if len({b.algorithm for b in alike}) == 1:  # a size known only at run time
+            buckets.append(alike[0])
+        else:
+            buckets.append(dataclasses.replace(
+                alike[0], algorithm=autotune.NAME, num_chunks=1, candidates=choices))
+    return buckets
+
+
 def describe_plan(buckets):
     """One line per bucket, for the log."""
     lines = []
@@ -178,6 +223,9 @@ def describe_plan(buckets):
         if b.wire_dtype != b.dtype:
             wire = f" -> {b.wire_bytes:,} bytes {b.wire_dtype.name} on the wire"
         chunks = f" in {b.num_chunks} chunks" if b.num_chunks > 1 else ""
+        if b.candidates:
+            chunks = " of " + ", ".join(
+                a + (f" in {n} chunks" if n > 1 else "") for a, n in b.candidates)
         lines.append(
             f"  bucket {i}: {len(b.indices)} tensor(s), {b.size_bytes:,} bytes "
             f"{b.dtype.name}{wire}: {b.algorithm}{chunks}"

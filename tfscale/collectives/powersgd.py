@@ -23,8 +23,14 @@ The choices follow PyTorch's production hook
   compressed, `(n + m) * r * min_compression_rate < n * m`
   (`_should_compress`); vectors (biases, BatchNorm) and small matrices are
   fused and all-reduced as any gradient is without compression.
-- The Ps of all matrices travel in one buffer, and so do the Qs (one
-  all-reduce each, as PyTorch's `p_memory_dict` / `q_memory_dict`).
+- The matrices are grouped in backward order (last layer first) into
+  buckets of about `bucket_bytes` of gradient; the Ps of a bucket travel
+  in one buffer, and so do its Qs (PyTorch's `p_memory_dict` /
+  `q_memory_dict`, per DDP bucket: the hook runs on each bucket as soon as
+  backprop has filled it). So the first buckets' products, all-reduces and
+  error feedback run while earlier layers are still differentiated;
+  `bucket_bytes=None` makes one bucket of all matrices, started after the
+  last gradient.
 - `batch_same_shapes=True` computes matrices of the same shape together:
   their products, orthogonalization and error feedback as one batched op
   each (PyTorch's `batch_tensors_with_same_shape`, off by default there and
@@ -62,6 +68,8 @@ import math
 
 from absl import logging
 import tensorflow as tf
+
+from tfscale.collectives import fusion
 
 NAME = "powersgd"
 DEFAULT_RANK = 4
@@ -188,6 +196,24 @@ def orthogonalize(matrix, epsilon=EPSILON):
     return tf.stack(columns, axis=-1)
 
 
+def backward_buckets(matrices, bucket_bytes):
+    """Positions in `matrices` compressed and all-reduced together: in
+    backward order (last gradient first, as backprop produces them), a
+    bucket closed once it holds at least `bucket_bytes` of gradient (as
+    `fusion.bucket_indices` closes its buffers); one bucket of all
+    when `bucket_bytes` is None.
+
+    Each bucket lists its positions in the order given (its Ps travel in
+    that order).
+    """
+    if bucket_bytes is None:
+        return [list(range(len(matrices)))] if matrices else []
+    backward = sorted(range(len(matrices)), key=lambda i: -matrices[i].index)
+    buckets = fusion.bucket_indices([matrices[i].size_bytes for i in backward],
+                                    [tf.float32] * len(backward), bucket_bytes)
+    return [sorted(backward[j] for j in bucket) for bucket in buckets]
+
+
 def same_shape_batches(matrices, batch=True):
     """Positions in `matrices` computed together, as one batch of products
     and one orthogonalization: those of one (rows, cols, rank), in the order
@@ -288,13 +314,22 @@ class PowerSGD:
             where each op has a fixed launch cost (GPUs) it may pay. The
             sums on the wire are the same; results agree within float32
             rounding.
+        bucket_bytes: gradient bytes per bucket of matrices compressed and
+            all-reduced together (`backward_buckets`); each bucket starts as
+            soon as its gradients are ready, so the compression of the last
+            layers overlaps the backprop of the first. `None`: one bucket,
+            after the last gradient. `tfscale.Strategy` passes
+            `PowerSGDOptions.bucket_bytes`. Buckets change only how the sums
+            are split into all-reduces: results agree within float32
+            rounding.
     """
 
     def __init__(self, sum_fn, num_workers, rank=DEFAULT_RANK,
                  start_step=DEFAULT_START_STEP,
                  min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE, log_plans=False,
-                 batch_same_shapes=False):
+                 batch_same_shapes=False, bucket_bytes=None):
         self.sum_fn = sum_fn
+        self.bucket_bytes = bucket_bytes
         self.batch_same_shapes = batch_same_shapes
         self.num_workers = num_workers
         self.rank = rank
@@ -364,7 +399,19 @@ class PowerSGD:
         if rest:
             for i, summed in zip(rest, self.sum_fn([grads[i] for i in rest])):
                 results[i] = summed
-        batches = same_shape_batches(matrices, self.batch_same_shapes)
+        updates = []
+        for bucket in backward_buckets(matrices, self.bucket_bytes):
+            updates += self._compress_bucket(
+                grads, state, bucket, results)
+        with tf.control_dependencies(updates):
+            return [tf.identity(r) for r in results]
+
+    def _compress_bucket(self, grads, state, bucket, results):
+        """Sums the gradients of `bucket` (positions in `state.matrices`)
+        through their factors into `results`; returns the state updates."""
+        matrices = state.matrices
+        batches = [[bucket[j] for j in batch] for batch in same_shape_batches(
+            [matrices[i] for i in bucket], self.batch_same_shapes)]
         # M = G + E, each batch stacked: b x rows x cols.
         ms = [_stack([tf.reshape(grads[matrices[i].index],
                                  [matrices[i].rows, matrices[i].cols])
@@ -383,5 +430,4 @@ class PowerSGD:
                 updates.append(state.error[i].assign(error))
                 updates.append(state.q[i].assign(each_q))
                 results[matrices[i].index] = tf.reshape(each_out, matrices[i].shape)
-        with tf.control_dependencies(updates):
-            return [tf.identity(r) for r in results]
+        return updates

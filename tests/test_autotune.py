@@ -1,0 +1,152 @@
+"""algorithm="auto" (tfscale.collectives.autotune): the candidates and plan
+each worker computes, and Keras `fit` on 4 real workers in 2 nodes of 2:
+trials, one choice on every worker, weights as the ring's, the choice
+stored and reused by a restarted job."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.collectives import autotune
+from tfscale.collectives import cost_model as cost_model_lib
+from tfscale.collectives import topology as topology_lib
+from tfscale.collectives.plan import auto_plan
+from tfscale.collectives.plan import describe_plan
+from tests import multiworker
+
+
+def test_candidates_differ_only_where_the_topology_has_nodes():
+    two_by_two = topology_lib.from_hosts(["a", "a", "b", "b"], 0, 2)
+    buckets = auto_plan([4_000_000, 400], [tf.float32] * 2, two_by_two, 100_000)
+    assert [b.algorithm for b in buckets] == ["auto", "auto"]
+    assert {a for a, _ in buckets[0].candidates} == {"ring", "hierarchical", "2d"}
+    assert "auto of " in describe_plan(buckets)
+    # 3 workers in nodes of 2 and 1: 2d needs equal nodes.
+    uneven = topology_lib.from_hosts(["a", "a", "b"], 0, 2)
+    (bucket,) = auto_plan([4_000], [tf.float32], uneven, 0)
+    assert {a for a, _ in bucket.candidates} == {"ring", "hierarchical"}
+    # One node: every candidate is a ring, nothing to try.
+    flat = topology_lib.from_hosts(["a"] * 4, 0, None)
+    assert [b.algorithm for b in auto_plan([4_000, 40], [tf.float32] * 2, flat, 0)] == [
+        "ring", "ring"]
+
+
+def test_the_cost_model_orders_the_trials():
+    topology = topology_lib.from_hosts(["a", "a", "b", "b"], 0, 2)
+    model = cost_model_lib.DEFAULT
+
+    def order(cost_model, size):
+        (bucket,) = auto_plan([size], [tf.float32], topology, 0, cost_model=cost_model)
+        return [a for a, _ in bucket.candidates]
+
+    def predicted(cost_model, algorithm, size):
+        return cost_model.predict(algorithm, size, topology.node_sizes)
+
+    # Ops dominate: the ring (one op) first.
+    slow_ops = cost_model_lib.CostModel(intra=model.intra, inter=model.inter,
+                                        op_seconds=1.0)
+    assert order(slow_ops, 400)[0] == "ring"
+    # A slow link between nodes and free ops: 64 MiB crosses it less by
+    # hierarchical or 2d, which come first, fastest prediction first.
+    slow_link = cost_model_lib.CostModel(
+        intra=model.intra, inter=cost_model_lib.Link(model.inter.alpha, 1 / 25e6),
+        op_seconds=0.0)
+    ordered = order(slow_link, 64 * 2**20)
+    assert ordered[-1] == "ring"
+    times = [predicted(slow_link, a, 64 * 2**20) for a in ordered]
+    assert times == sorted(times)
+
+
+def test_options_refuse_autotune_dir_without_auto_and_auto_over_nccl():
+    with pytest.raises(ValueError, match="only applies to algorithm='auto'"):
+        tfscale.CommunicationOptions(algorithm="ring", autotune_dir="/tmp/x")
+    if not tf.config.list_physical_devices("GPU"):
+        print("SKIPPED: auto over NCCL is refused where NCCL is allowed: no GPU here "
+              "(implementation='nccl' is refused first)")
+    else:
+        with pytest.raises(ValueError, match="over NCCL use algorithm='ring'"):
+            tfscale.CommunicationOptions(algorithm="auto", implementation="nccl")
+    options = tfscale.CommunicationOptions(algorithm="auto", autotune_dir="/tmp/x")
+    assert options.autotune_dir == "/tmp/x"
+
+
+def test_a_bad_cost_model_file_is_named(tmp_path):
+    bad = tmp_path / "model.json"
+    bad.write_text('{"intra": 3}')
+    with pytest.raises(ValueError, match=f"{bad}.*holds no cost model"):
+        cost_model_lib.load(str(bad))
+    with pytest.raises(ValueError, match="missing.json.*does not exist"):
+        cost_model_lib.load(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        cost_model_lib.load(str(tmp_path))  # a directory
+    good = tmp_path / "fit.json"
+    good.write_text(json.dumps({"cost_model": cost_model_lib.DEFAULT.get_config()}))
+    assert cost_model_lib.load(str(good)) == cost_model_lib.DEFAULT
+
+
+def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path):
+    (tmp_path / autotune.FILE_NAME).write_text("{not json")
+    assert autotune.AutoTuner(directory=tmp_path, is_chief=True).plans == {}
+    tuner = autotune.AutoTuner(directory=tmp_path, is_chief=True)
+    tuner.report(autotune.TunedPlan("f #0; x", 0, 0, ("ring", "2d"), (None, "ring"), None),
+                  np.array([1, 0]), np.array([[0.002, 0.001], [0.0, 0.0]]))
+    stored = json.loads((tmp_path / autotune.FILE_NAME).read_text())
+    assert stored["plans"][0]["choices"] == ["2d", "ring"]  # bucket 1's is fixed
+    again = autotune.AutoTuner(directory=tmp_path, is_chief=True)
+    assert again.tuned_plan("f #0; x", ("ring", "2d"), (None, "ring")).stored == [1, 0]
+    # Other candidates (another topology's, another cost model's order): tried again.
+    other = autotune.AutoTuner(directory=tmp_path, is_chief=True)
+    assert other.tuned_plan("f #0; x", ("2d", "ring"), (None, "ring")).stored is None
+
+
+def _flat(weights):
+    return np.concatenate([np.asarray(w, np.float32).ravel() for w in weights])
+
+
+@pytest.mark.multiworker
+def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(tmp_path):
+    autotune_dir = tmp_path / "model_dir"
+    run = multiworker.run_workers(
+        "autotune_fit.py", 4, tmp_path,
+        args=[f"--autotune_dir={autotune_dir}", "--steps=12"], timeout=300)
+    multiworker.assert_succeeded(run)
+    results = [r["results"] for r in run.results]
+    for name in ("ring", "auto", "restarted"):  # every worker the same weights
+        for other in results[1:]:
+            np.testing.assert_array_equal(_flat(other[name]["weights"]),
+                                          _flat(results[0][name]["weights"]), err_msg=name)
+    ring = _flat(results[0]["ring"]["weights"])
+    for name in ("auto", "restarted"):  # sums in another order: rounding only
+        relative = np.max(np.abs(_flat(results[0][name]["weights"]) - ring))
+        assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
+
+    # The gradients' plan: 4 buckets; 3 candidates, 9 trial steps, decided.
+    def gradients(result):
+        (plan,) = [p for p in result["autotune"] if len(p["seconds"]) == 4]
+        return plan
+
+    tuned = [gradients(r["auto"]) for r in results]
+    assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
+        "ring", "hierarchical", "2d"}
+    assert tuned[0]["steps"] == 12
+    for plan in tuned:
+        assert plan["choices"] == tuned[0]["choices"]  # one choice everywhere
+        # Each candidate timed on each bucket in the timed rounds.
+        assert all(s > 0 for row in plan["seconds"] for s in row), plan["seconds"]
+    # The chief stored it; the restarted job took it and tried nothing.
+    stored = run.results[0]["stored"]
+    (entry,) = [p for p in stored["plans"] if len(p["choices"]) == 4]
+    assert entry["choices"] == tuned[0]["choices"]
+    for result in results:
+        restarted = gradients(result["restarted"])
+        assert restarted["choices"] == tuned[0]["choices"]
+        assert all(s == 0 for row in restarted["seconds"] for s in row)
+    chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
+    assert any("tfscale autotune: " in l and "chose after 9 trial steps" in l
+               for l in chief)
+    assert any("auto: the choice stored in" in l for l in chief)
+    assert not [l for l in run.output.splitlines()
+                if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]

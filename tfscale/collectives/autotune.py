@@ -1,0 +1,345 @@
+"""`algorithm="auto"`: each bucket's all-reduce algorithm chosen by measuring it.
+
+The cost model predicts from a few link constants; a cluster's real costs
+(the fixed cost of each TensorFlow collective op, CPU contention, the
+switch) are what the job itself measures. As Horovod's autotuner does
+(horovod/common/parameter_manager.cc: it scores fusion settings by the
+bytes all-reduced per second of the running job), tfscale measures the
+running job: during its first steps each gradient bucket runs every
+candidate algorithm in turn on its real data, and keeps the fastest.
+
+- Candidates (`candidates`): the algorithms that differ on the topology,
+  among ring, hierarchical and 2d (halving-doubling is left out: each of
+  its steps is a TensorFlow op of its own, the slowest here;
+  BENCHMARKS.md section 11). One node, or one worker per node: only the
+  ring, and nothing to try. The cost model orders them (its fastest
+  prediction for the plan first) and breaks ties.
+- Trials: step s < C * (ROUNDS + 1) of a plan runs candidate s mod C in
+  every bucket; the first round warms up (a group's first collective
+  resolves it), each bucket's time from its buffer ready to its result in
+  the other rounds adds up per candidate. All buckets run the same
+  candidate in a step, so each bucket is timed beside the same traffic.
+- Decision, in the first step after the trials, on every worker at once:
+  one all-reduce takes each (bucket, candidate) time's maximum over the
+  workers (a bucket is as slow as its slowest worker), and each bucket
+  takes the candidate with the least (the first in the cost model's order
+  on a tie). Every worker computes it from the same all-reduced numbers,
+  so every worker picks the same.
+- The chief logs the choice and writes it to `DIR/autotune.json`
+  (`directory`); a restarted job whose chief finds its plan there sends
+  the stored choice to every worker in its first step and tries nothing.
+- Inside XLA (`jit_compile=True`), which has no `tf.timestamp`: no trials,
+  each bucket takes the cost model's fastest prediction.
+
+The algorithm of a bucket is a `tf.switch_case` over the candidates: the
+graph holds each candidate's collectives (every worker traces the same
+branches, so their keys agree), a step runs one.
+"""
+
+import dataclasses
+import json
+import os
+import threading
+import weakref
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from tfscale import _atomic
+from tfscale._private import graph_order
+from tfscale.collectives import timeline_stamps
+
+NAME = "auto"
+# Timed rounds of trials, after one warm-up round.
+ROUNDS = 2
+FILE_NAME = "autotune.json"
+# What one strategy can tune: buckets over all its plans, plans.
+MAX_BUCKETS = 4096
+MAX_PLANS = 1024
+# The algorithms "auto" chooses from, where the topology makes them differ.
+CHOICES = ("ring", "hierarchical", "2d")
+
+
+def candidates(topology, supported):
+    """The algorithms worth trying on `topology`, unordered.
+
+    Args:
+        topology: a `topology.Topology`.
+        supported: `fn(algorithm) -> bool`, whether it runs on `topology`.
+    """
+    if topology.is_flat:  # hierarchical and 2d run as a ring
+        return ("ring",)
+    return tuple(a for a in CHOICES if supported(a))
+
+
+@dataclasses.dataclass
+class TunedPlan:
+    """The tuning state of one call site's plan on this worker."""
+
+    key: str
+    number: int  # its row in `AutoTuner.steps`
+    offset: int  # its first row in `AutoTuner.seconds` and `chosen`
+    candidates: tuple
+    # Per bucket: None where it tries the candidates, else its one algorithm
+    # (a buffer whose size is known only at run time goes by ring).
+    fixed: tuple
+    stored: list | None  # the chief's stored choice (indices), if any
+
+    @property
+    def num_buckets(self):
+        return len(self.fixed)
+
+    @property
+    def trial_steps(self):
+        return len(self.candidates) * (ROUNDS + 1)
+
+
+class AutoTuner:
+    """This worker's trials and choices, for every plan it all-reduces.
+
+    Args:
+        device: where its variables live (the worker's device).
+        directory: `None`, or where the chief writes (and, on a restart,
+            finds) `autotune.json`.
+        is_chief: this worker logs and stores the choice.
+    """
+
+    def __init__(self, device=None, directory=None, is_chief=False):
+        self.directory = None if directory is None else os.fspath(directory)
+        self.is_chief = is_chief
+        self.plans = {}
+        self._buckets_used = 0
+        self._calls = weakref.WeakKeyDictionary()  # traced function -> calls so far
+        self._writing = threading.Lock()  # plans may decide in the same step
+        with tf.device(device), tf.init_scope():
+            # Seconds of each bucket's trials per candidate, summed.
+            self.seconds = tf.Variable(tf.zeros([MAX_BUCKETS, len(CHOICES)], tf.float32),
+                                       trainable=False, name="autotune_seconds")
+            # Each bucket's chosen candidate (its index in its plan's list).
+            self.chosen = tf.Variable(tf.zeros([MAX_BUCKETS], tf.int32),
+                                      trainable=False, name="autotune_chosen")
+            # Calls of each plan so far.
+            self.steps = tf.Variable(tf.zeros([MAX_PLANS], tf.int64),
+                                     trainable=False, name="autotune_steps")
+        # The chief's stored choices by key; what it decides is added.
+        self._stored = self._load() if is_chief else {}
+
+    def path(self):
+        return None if self.directory is None else os.path.join(self.directory, FILE_NAME)
+
+    def _load(self):
+        """The stored choices; a file that cannot be read is ignored with a
+        warning (its plans are tried again), never a reason to stop."""
+        path = self.path()
+        if path is None or not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as f:
+                stored = {plan["key"]: plan for plan in json.load(f)["plans"]}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logging.warning("tfscale autotune: cannot read %s (%s: %s); every "
+                            "all-reduce is tried again.", path, type(error).__name__, error)
+            return {}
+        logging.info("tfscale autotune: read %d stored choice(s) from %s; "
+                     "plans found there are not tried again.", len(stored), path)
+        return stored
+
+    def call_site(self, buckets_key):
+        """The key of this call: which traced function makes it, its place
+        among that function's all-reduces, and its buckets. Every worker
+        traces the same functions alike, so it names the same call on each;
+        two calls with equal buckets in one step keep apart (they must not
+        share a step count). Eager calls share one key per bucket list."""
+        graph = tf.compat.v1.get_default_graph()
+        outermost = None
+        while hasattr(graph, "outer_graph"):  # a FuncGraph
+            outermost, graph = graph, graph.outer_graph
+        if outermost is None:
+            return f"eager; {buckets_key}"
+        ordinal = self._calls.get(outermost, 0)
+        self._calls[outermost] = ordinal + 1
+        return f"{outermost.name} #{ordinal}; {buckets_key}"
+
+    def tuned_plan(self, key, candidates, fixed):
+        """The `TunedPlan` of `key` (`call_site`), made on first use.
+
+        Args:
+            key: the call's key.
+            candidates: the algorithms tried, in the cost model's order.
+            fixed: per bucket, None if it tries them, else its algorithm.
+        """
+        if key not in self.plans:
+            if (len(self.plans) >= MAX_PLANS
+                    or self._buckets_used + len(fixed) > MAX_BUCKETS):
+                raise ValueError(
+                    f"algorithm='auto' tunes at most {MAX_PLANS} all-reduce calls "
+                    f"and {MAX_BUCKETS} buckets per strategy; this one already has "
+                    f"{len(self.plans)} calls and {self._buckets_used} buckets and "
+                    f"needs {len(fixed)} more. Use a fixed algorithm, or a larger "
+                    "fusion_threshold_bytes for fewer buckets.")
+            self.plans[key] = TunedPlan(key, len(self.plans), self._buckets_used,
+                                        tuple(candidates), tuple(fixed),
+                                        self._stored_choice(key, candidates, len(fixed)))
+            self._buckets_used += len(fixed)
+        return self.plans[key]
+
+    def _stored_choice(self, key, candidates, num_buckets):
+        """The stored choice of `key` as candidate indices, if it is one for
+        these candidates and buckets; else None (tried again)."""
+        stored = self._stored.get(key)
+        if stored is None:
+            return None
+        choices = stored.get("choices") if isinstance(stored, dict) else None
+        if (list(stored.get("candidates", [])) != list(candidates) or not isinstance(
+                choices, list) or len(choices) != num_buckets):
+            logging.warning("tfscale autotune: the choice stored in %s for %s is for "
+                            "other candidates or buckets; it is tried again.",
+                            self.path(), key)
+            return None
+        return [candidates.index(a) if a in candidates else 0 for a in choices]
+
+    def begin(self, plan, world):
+        """Traces the start of one call of `plan`: the agreement on a stored
+        choice (first step), the decision (first step after the trials);
+        returns a `Call` whose `run` picks each bucket's algorithm."""
+        step = self.steps[plan.number]
+        trial_steps = plan.trial_steps
+        rows = tf.range(plan.offset, plan.offset + plan.num_buckets)
+        num_candidates = len(plan.candidates)
+
+        def read():
+            return tf.gather(self.chosen, rows), tf.constant(False)
+
+        def agree_on_stored():
+            # Only the chief reads the file (another host may not see it):
+            # the others learn its choice, or that there is none, from it.
+            mine = np.zeros([plan.num_buckets + 1], np.float32)
+            if plan.stored is not None:
+                mine[0], mine[1:] = 1.0, plan.stored
+            agreed = world.all_reduce(tf.constant(mine))
+            stored = agreed[0] > 0.5
+            choice = tf.where(stored, tf.cast(agreed[1:], tf.int32),
+                              tf.gather(self.chosen, rows))
+            with tf.control_dependencies([self._set(rows, choice)]):
+                return tf.identity(choice), stored
+
+        def decide():
+            worst = world.all_reduce(
+                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Max")
+            choice = tf.argmin(worst, axis=1, output_type=tf.int32)
+            done = [self._set(rows, choice)]
+            if self.is_chief:
+                done.append(tf.py_function(
+                    lambda c, s: self.report(plan, c.numpy(), s.numpy()) or 0,
+                    [choice, worst], tf.int32))
+            with tf.control_dependencies(done):
+                return tf.identity(choice), tf.constant(False)
+
+        # Unordered: ordered after the stateful ops traced before it (the
+        # exposed-communication stamp waits for every gradient) it would hold
+        # back every bucket. So is each bucket's Case (`Call.run`), which also
+        # leaves the buckets' collectives on one group unchained (with a
+        # fixed algorithm, the group's ordering token chains them): all the
+        # candidates are timed, and the choice runs, that way.
+        branch = tf.where(tf.equal(step, 0), 0, tf.where(tf.equal(step, trial_steps), 1, 2))
+        chosen, stored = tf.switch_case(branch, [agree_on_stored, decide, read])
+        graph_order.unordered_case(chosen)
+        trying = tf.logical_and(step < trial_steps, tf.logical_not(stored))
+        timed = tf.logical_and(trying, step >= num_candidates)
+        self.steps[plan.number].assign(
+            tf.where(stored, tf.constant(trial_steps + 1, tf.int64), step + 1))
+        choice = tf.where(trying, tf.cast(step % num_candidates, tf.int32), chosen)
+        return Call(self, plan, choice, timed)
+
+    def _set(self, rows, choice):
+        """The op writing `choice` to the rows of `chosen`."""
+        return tf.raw_ops.ResourceScatterNdUpdate(
+            ref=self.chosen.handle, indices=rows[:, None], updates=choice)
+
+    def report(self, plan, choice, worst):
+        """Logs the decision and stores it (the chief, once per plan). Runs
+        inside the step: a file it cannot write is a warning, not a failure
+        of the chief's step that would leave the others waiting."""
+        lines = []
+        for bucket, (c, seconds) in enumerate(zip(choice, worst)):
+            if plan.fixed[bucket] is not None:
+                lines.append(f"  bucket {bucket}: {plan.fixed[bucket]} (its size is "
+                             "known only at run time)")
+                continue
+            times = ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
+                              for a, s in zip(plan.candidates, seconds))
+            lines.append(f"  bucket {bucket}: {times} -> {plan.candidates[c]}")
+        logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
+                     "time from its buffer ready to its result, mean of %d steps, "
+                     "slowest worker):\n%s", plan.key.split(";")[0], plan.trial_steps,
+                     ROUNDS, "\n".join(lines))
+        if self.directory is None:
+            return
+        with self._writing:
+            self._stored[plan.key] = {
+                "key": plan.key, "candidates": list(plan.candidates),
+                "choices": self._names(plan, choice),
+                "milliseconds": (np.asarray(worst) / ROUNDS * 1e3).round(3).tolist()}
+            try:
+                _atomic.write_json(self.path(), {"plans": list(self._stored.values())},
+                                   indent=1)
+            except OSError as error:
+                logging.warning("tfscale autotune: cannot store the choice in %s (%s); "
+                                "a restarted job will try again.", self.path(), error)
+
+    @staticmethod
+    def _names(plan, choice):
+        """Each bucket's algorithm under `choice` (indices)."""
+        return [fixed or plan.candidates[c] for fixed, c in zip(plan.fixed, choice)]
+
+    def choices(self):
+        """Each plan's state, read now: `{key: {"candidates", "steps",
+        "choices" (algorithm per bucket, None until decided), "seconds"
+        (per bucket and candidate, summed over the timed trials)}}`."""
+        steps = self.steps.numpy()
+        chosen = self.chosen.numpy()
+        seconds = self.seconds.numpy()
+        result = {}
+        for key, plan in self.plans.items():
+            rows = slice(plan.offset, plan.offset + plan.num_buckets)
+            decided = steps[plan.number] > plan.trial_steps
+            result[key] = {
+                "candidates": list(plan.candidates), "steps": int(steps[plan.number]),
+                "choices": self._names(plan, chosen[rows]) if decided else None,
+                "seconds": seconds[rows, :len(plan.candidates)].tolist()}
+        return result
+
+
+@dataclasses.dataclass
+class Call:
+    """One traced call of a plan: runs each bucket's chosen algorithm."""
+
+    tuner: AutoTuner
+    plan: TunedPlan
+    choice: tf.Tensor  # per bucket, an index into plan.candidates
+    timed: tf.Tensor  # whether this step's times count
+
+    def run(self, bucket, buffer, branches):
+        """The result of `branches[algorithm]()` for the algorithm bucket
+        number `bucket` runs this step, timed during the trials."""
+        row = self.plan.offset + bucket
+        start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp([buffer]))
+        result = tf.switch_case(
+            self.choice[bucket], [branches[a] for a in self.plan.candidates])
+        graph_order.unordered_case(result)  # as in `begin`: the buckets run side by side
+        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp([result]))
+        seconds = tf.where(self.timed, tf.cast(end - start, tf.float32), 0.0)
+        graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
+            ref=self.tuner.seconds.handle,
+            indices=tf.stack([row, self.choice[bucket]])[None],
+            updates=seconds[None]))
+        return result
+
+
+def plan_key(topology, buckets):
+    """What a stored choice is valid for: the topology and each bucket."""
+    return "; ".join([f"nodes {list(topology.node_sizes)}"] + [
+        f"{len(b.indices)}x{b.size_bytes}:{b.dtype.name}>{b.wire_dtype.name}"
+        for b in buckets])
+
