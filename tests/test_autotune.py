@@ -150,3 +150,29 @@ def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(
     assert any("auto: the choice stored in" in l for l in chief)
     assert not [l for l in run.output.splitlines()
                 if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
+
+
+def test_inside_xla_auto_takes_the_cost_models_choice_and_tries_nothing():
+    """XLA has no tf.timestamp: a step compiled with jit_compile=True runs
+    each bucket's fastest prediction, no switch, no trials (traced graph)."""
+    from tfscale import collectives
+    from tfscale._private import tf_collectives
+
+    cpu = "/job:localhost/replica:0/task:0/device:CPU:0"
+    topology = topology_lib.from_hosts(["a", "a", "b", "b"], 0, 2)
+    world = tf_collectives.standalone_group(
+        4, cpu, "ring", max_subgroup_index=collectives.topology.MAX_SUBGROUP_INDEX)
+    all_reduce = collectives.AllReduce(topology, "auto", fusion_threshold_bytes=0,
+                                       implementation="ring")
+    sizes = (300, 900)
+    ops = {}
+    for jit_compile in (False, True):
+        function = tf.function(lambda *t: all_reduce(list(t), world),
+                               jit_compile=jit_compile)
+        graph = function.get_concrete_function(
+            *[tf.TensorSpec([n], tf.float32) for n in sizes]).graph
+        ops[jit_compile] = {op.type for op in graph.get_operations()}
+    assert "Case" in ops[False] and "Case" not in ops[True]
+    assert "CollectiveReduceV2" in ops[True]
+    # Only the traced call without XLA made a plan to tune.
+    assert len(all_reduce.autotuner.plans) == 1

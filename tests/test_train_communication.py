@@ -37,8 +37,8 @@ def test_algorithm_compression_local_size_and_implementation_flags_reach_the_all
     assert ("4 workers in 2 nodes of 2; CommunicationOptions(algorithm='2d', "
             "fusion_threshold_bytes=65536, ") in strategy[0]
     assert "local_size=2, compression='bfloat16'," in strategy[0]
-    assert strategy[0].endswith("implementation='ring', timeline=None); collectives "
-                                "through ring.")
+    assert strategy[0].endswith("implementation='ring', timeline=None, "
+                                "autotune_dir=None); collectives through ring.")
 
     # The gradients' plan: several buckets (64 KiB threshold), all 2d, bfloat16
     # on the wire.

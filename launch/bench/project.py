@@ -384,11 +384,12 @@ def _project_paper_hardware(gpu_counts, alpha_scale, op_seconds=None):
             print(f"#   {line}")
         last = model_rows[-1]
         if last["t_compute"]:
-            print(f"# at {last['gpus']} GPUs the projection's best e is "
-                  f"{max(last[f'e_{k}'] for k in _PROJECTED):.2f} (all-reduce not "
-                  "overlapped); the paper's end-to-end rate per GPU over the "
-                  f"single-GPU rate is {_paper_rate_ratio():.2f} (it also counts "
-                  "input, evaluation and start-up)")
+            print(f"# at {last['gpus']} GPUs the projection's e is {last['e_hybrid']:.2f} "
+                  f"(hybrid, float32 on the wire) and {last['e_hybrid_16bit']:.2f} "
+                  "(16-bit), all-reduce not overlapped; the paper's end-to-end "
+                  "rate per GPU over the single-GPU rate is "
+                  f"{_paper_rate_ratio():.2f} (it also counts input, evaluation "
+                  "and start-up)")
     return {"projection": rows,
             "assumptions": [dataclasses.asdict(a) for a in assumptions],
             "alpha_scale": alpha_scale, "op_seconds": paper_model.op_seconds,

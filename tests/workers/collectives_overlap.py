@@ -48,8 +48,8 @@ class FirstBucketClock:
         self.seconds = tf.Variable(tf.zeros([2], tf.float64), trainable=False)
         self.original = all_reduce_lib.fused_all_reduce
 
-    def __call__(self, tensors, groups, buckets, compression=None, note=None):
-        results = self.original(tensors, groups, buckets, compression, note=note)
+    def __call__(self, tensors, groups, buckets, *args, **kwargs):
+        results = self.original(tensors, groups, buckets, *args, **kwargs)
         if len(tensors) != self.num_gradients:  # a loss or metric reduce
             return results
         with tf.control_dependencies([results[i] for i in buckets[0].indices]):
