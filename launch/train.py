@@ -11,6 +11,7 @@ trains alone). Worker 0, the chief, prints progress and writes the export.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -92,8 +93,7 @@ def validate_flags(config):
             "model_dir", None if is_evaluator(config) else config.model_dir)
         preflight.check_writable_dir("export_dir", config.export_dir)
         preflight.check_writable_dir("tensorboard_dir", config.tensorboard_dir)
-        if config.cost_model:
-            collectives.cost_model.load(config.cost_model)
+        cost_model_from_flags(config)
         if config.dataset == "imagenet":
             data.check_imagenet_source(config.data_dir, config.manual_dir)
     except (ValueError, FileNotFoundError) as error:  # PreflightError too
@@ -121,7 +121,7 @@ def shared_settings(config):
 
     return dict(
         config.shared,
-        cost_model=(collectives.cost_model.load(config.cost_model).get_config()
+        cost_model=(cost_model_from_flags(config).get_config()
                     if config.cost_model else None),
         tfscale_version=tfscale.__version__,
         tensorflow_version=tf.__version__,
@@ -155,12 +155,21 @@ def strategy_from_flags(config):
             timeout_seconds=config.collective_timeout,
             implementation=config.implementation,
             timeline=config.timeline,
-            cost_model=(collectives.cost_model.load(config.cost_model)
-                        if config.cost_model else None),
+            cost_model=cost_model_from_flags(config),
             autotune_dir=config.model_dir if config.algorithm == "auto" else None,
         ),
         startup_timeout_seconds=config.startup_timeout or None,
     )
+
+
+def cost_model_from_flags(config):
+    """The `CostModel` in --cost_model's file, read once; None if not given."""
+    return _load_cost_model(config.cost_model) if config.cost_model else None
+
+
+@functools.cache
+def _load_cost_model(path):
+    return collectives.cost_model.load(path)
 
 
 def powersgd_options(config):

@@ -1,5 +1,6 @@
 """Tests for launch/train_flags.py: tfscale-train's flags -> the library."""
 
+import json
 import os
 import subprocess
 import sys
@@ -231,3 +232,23 @@ def test_batch_schedule_flags_reach_the_settings_and_its_refusals():
         parse("--batch_schedule=30")
     with pytest.raises(flags.IllegalFlagValueError, match="max_global_batch_size"):
         parse("--max_global_batch_size=-1")
+
+
+def test_cost_model_flag_is_checked_and_shared_by_its_contents(tmp_path):
+    from absl import app
+    from tfscale.collectives import cost_model as cost_model_lib
+    from tfscale.launch import train
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    parse(f"--cost_model={bad}")
+    with pytest.raises(app.UsageError, match=f"{bad}.*holds no cost model"):
+        train.validate_flags(train_flags.Config.from_flags())
+    good = tmp_path / "fit.json"
+    good.write_text(json.dumps({"cost_model": cost_model_lib.DEFAULT.get_config()}))
+    parse(f"--cost_model={good}")
+    config = train_flags.Config.from_flags()
+    assert train.cost_model_from_flags(config) == cost_model_lib.DEFAULT
+    # Workers compare what the file holds, not only its path.
+    assert train.shared_settings(config)["cost_model"] == (
+        cost_model_lib.DEFAULT.get_config())

@@ -196,10 +196,7 @@ class AllReduce:
         check_supported(topology, algorithm)
         tf_collectives.check_resolved(implementation)
         if algorithm == autotune_lib.NAME and implementation == "nccl":
-            raise NotImplementedError(
-                "algorithm='auto' tries TensorFlow-ring algorithms; over NCCL use "
-                "algorithm='ring' (NCCL picks its own ring or tree), or "
-                "implementation='ring' to tune over TensorFlow's ring.")
+            raise NotImplementedError(autotune_lib.NCCL_REFUSAL)
         if algorithm == autotune_lib.NAME and autotuner is None:
             autotuner = autotune_lib.AutoTuner()
         self.autotuner = autotuner

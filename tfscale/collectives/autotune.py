@@ -57,6 +57,10 @@ FILE_NAME = "autotune.json"
 # What one strategy can tune: buckets over all its plans, plans.
 MAX_BUCKETS = 4096
 MAX_PLANS = 1024
+# Why "auto" is refused over NCCL, and what to use instead.
+NCCL_REFUSAL = ("algorithm='auto' tries TensorFlow-ring algorithms; over NCCL use "
+                "algorithm='ring' (NCCL picks its own ring or tree), or "
+                "implementation='ring' to tune over TensorFlow's ring.")
 # The algorithms "auto" chooses from, where the topology makes them differ.
 CHOICES = ("ring", "hierarchical", "2d")
 
@@ -190,14 +194,15 @@ class AutoTuner:
         stored = self._stored.get(key)
         if stored is None:
             return None
-        choices = stored.get("choices") if isinstance(stored, dict) else None
+        choices = stored.get("choices")
         if (list(stored.get("candidates", [])) != list(candidates) or not isinstance(
-                choices, list) or len(choices) != num_buckets):
+                choices, list) or len(choices) != num_buckets
+                or any(a not in candidates for a in choices)):
             logging.warning("tfscale autotune: the choice stored in %s for %s is for "
                             "other candidates or buckets; it is tried again.",
                             self.path(), key)
             return None
-        return [candidates.index(a) if a in candidates else 0 for a in choices]
+        return [candidates.index(a) for a in choices]
 
     def begin(self, plan, world):
         """Traces the start of one call of `plan`: the agreement on a stored

@@ -290,8 +290,8 @@ class FlightRecorder:
 
     def dump(self, directory):
         """Writes the records to `directory`/worker-I.json."""
-        _atomic.write_json(os.path.join(directory, f"worker-{self.worker}.json"),
-                           {"worker": self.worker, "records": self.records()},
+        path = os.path.join(directory, f"worker-{self.worker}.json")
+        _atomic.write_json(path, {"worker": self.worker, "records": self.records()},
                            default=str, indent=1)
         return path
 

@@ -319,10 +319,8 @@ class CommunicationOptions:
                     f"{self.timeline!r}, timeout_seconds=None")
             object.__setattr__(self, "timeline", os.fspath(self.timeline))
         if self.algorithm == autotune_lib.NAME and self.implementation == "nccl":
-            raise ValueError(
-                "algorithm='auto' tries TensorFlow-ring algorithms; over NCCL use "
-                "algorithm='ring' (NCCL picks its own ring or tree), or "
-                "implementation='ring'. Received: algorithm='auto', implementation='nccl'")
+            raise ValueError(f"{autotune_lib.NCCL_REFUSAL} Received: algorithm='auto', "
+                             "implementation='nccl'")
         if self.autotune_dir is not None:
             if self.algorithm != autotune_lib.NAME:
                 raise ValueError(
