@@ -118,6 +118,30 @@ def test_train_reports_throughput_efficiency_and_exposed_communication(tmp_path)
         row["images_per_second"] / (2 * row["single_worker_images_per_second"]))
 
 
+def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
+    # Nodes of 2 and 1: ring and hierarchical differ, 2d needs equal nodes.
+    output = tmp_path / "train.json"
+    stdout = bench(
+        tmp_path, "train", "--num_workers=3", "--local_size=2", "--model=alexnet_bn",
+        "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
+        "--warmup_steps=1", "--precisions=float32", "--algorithms=auto",
+        "--compression=none", f"--output={output}", timeout=420)
+    (row,) = json.loads(output.read_text())
+    assert row["config"] == "auto" and row["exposed_communication_vs_stock"] is None
+    print(json.dumps(row["autotune"], indent=1))
+    # The training step's all-reduces decided; the bench's barrier (a few
+    # calls) did not finish its trials.
+    decided = [plan for plan in row["autotune"] if plan["choices"] is not None]
+    assert decided and len(decided) < len(row["autotune"]), row["autotune"]
+    for plan in decided:
+        assert sorted(plan["candidates"]) == ["hierarchical", "ring"], plan
+        assert set(plan["choices"]) <= set(plan["candidates"]), plan
+        assert all(len(bucket) == 2 and min(bucket) > 0
+                   for bucket in plan["trial_milliseconds"]), plan
+        assert f"# auto float32: {plan['call']}: " in stdout
+    assert "(auto: after 10 more for its trials and decision)" in stdout
+
+
 def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):
     # absl's --help exits with 1.
     allreduce = bench(tmp_path, "allreduce", "--help", returncode=1)

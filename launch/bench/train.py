@@ -108,9 +108,10 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
-            powersgd = _run(outputs[0], precision, "distributed", "powersgd")
-            if powersgd:
-                rows[-1]["powersgd"] = powersgd
+            for key in ("powersgd", "autotune"):  # as the chief reports it
+                value = _run(outputs[0], precision, "distributed", key)
+                if value:
+                    rows[-1][key] = value
     for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
         stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
@@ -190,7 +191,8 @@ def main():
           f"{FLAGS.image_size}, synthetic data, SGD momentum, "
           f"{FLAGS.per_worker_batch} images per worker per step; "
           f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
-          f"after {FLAGS.warmup_steps} warm-up step(s)")
+          f"after {FLAGS.warmup_steps} warm-up step(s) (auto: after "
+          f"{collectives.autotune.DECIDED_BY_STEP} more for its trials and decision)")
     print("# compute = the same step trained alone by every worker at once (no "
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
@@ -208,6 +210,9 @@ def main():
                   f"{p['gradient_bytes'] / 1e6:.1f} MB of gradients sent as "
                   f"{p['wire_bytes'] / 1e6:.2f} MB per step "
                   f"({p['gradient_bytes'] / p['wire_bytes']:.1f}x less)")
+        for plan in row.get("autotune", []):
+            print(f"# {row['config']} {row['precision']}: {plan['call']}: "
+                  f"{_choices_text(plan['choices'])} (of {', '.join(plan['candidates'])})")
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
@@ -216,6 +221,20 @@ def main():
             _plot(rows, path, f"{FLAGS.model} training\n{stats.describe_cluster(ctx)}")
             print(f"tfscale-bench: wrote {path}")
     return rows
+
+
+def _choices_text(choices):
+    """'ring for buckets 0-2, 2d for bucket 3'; 'not decided' for None."""
+    if choices is None:
+        return "not decided"
+    runs = []  # [algorithm, first bucket, last bucket]
+    for bucket, algorithm in enumerate(choices):
+        if runs and runs[-1][0] == algorithm:
+            runs[-1][2] = bucket
+        else:
+            runs.append([algorithm, bucket, bucket])
+    return ", ".join(f"{a} for bucket {f}" if f == l else f"{a} for buckets {f}-{l}"
+                     for a, f, l in runs)
 
 
 def _plot(rows, path, title):

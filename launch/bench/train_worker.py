@@ -94,15 +94,34 @@ def _fit(spec, strategy):
         dataset = strategy.distribute_datasets_from_function(
             lambda context: data.synthetic(global_batch, size, input_context=context))
     timer = callbacks.StepTimer(strategy)
-    model.fit(dataset, epochs=1, steps_per_epoch=spec["warmup_steps"] + spec["steps"],
+    autotune = getattr(strategy, "autotune", None)
+    # Under "auto" the trials and the decision are not what is timed.
+    warmup = spec["warmup_steps"] + (
+        collectives.autotune.DECIDED_BY_STEP if autotune is not None else 0)
+    model.fit(dataset, epochs=1, steps_per_epoch=warmup + spec["steps"],
               callbacks=[timer], verbose=0)
-    warmup = spec["warmup_steps"]
     timed = {"step_seconds": timer.step_seconds[warmup:]}
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
     if getattr(strategy, "powersgd", None) is not None:
         timed["powersgd"] = _powersgd_report(strategy, model)
+    if autotune is not None:
+        timed["autotune"] = _autotune_report(autotune)
     return timed
+
+
+def _autotune_report(autotune):
+    """Each all-reduce's candidates, its choice per bucket, and each
+    (bucket, candidate)'s mean trial milliseconds on this worker."""
+    report = []
+    for key, plan in autotune.choices().items():
+        trials = collectives.autotune.ROUNDS
+        report.append({
+            "call": key.split(";")[0], "candidates": plan["candidates"],
+            "choices": plan["choices"],
+            "trial_milliseconds": [[round(s / trials * 1e3, 1) for s in bucket]
+                                   for bucket in plan["seconds"]]})
+    return report
 
 
 def _powersgd_report(strategy, model):

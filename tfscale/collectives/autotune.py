@@ -63,6 +63,8 @@ NCCL_REFUSAL = ("algorithm='auto' tries TensorFlow-ring algorithms; over NCCL us
                 "implementation='ring' to tune over TensorFlow's ring.")
 # The algorithms "auto" chooses from, where the topology makes them differ.
 CHOICES = ("ring", "hierarchical", "2d")
+# Every plan has decided (and runs its choice) from this call on.
+DECIDED_BY_STEP = len(CHOICES) * (ROUNDS + 1) + 1
 
 
 def candidates(topology, supported):
