@@ -136,6 +136,11 @@ def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(
         assert plan["choices"] == tuned[0]["choices"]  # one choice everywhere
         # Each candidate timed on each bucket in the timed rounds.
         assert all(s > 0 for row in plan["seconds"] for s in row), plan["seconds"]
+    # Each bucket kept its fastest candidate by the least time over the
+    # workers (the worker ready last: no wait for the others in it).
+    least = np.min([plan["seconds"] for plan in tuned], axis=0)
+    assert tuned[0]["choices"] == [tuned[0]["candidates"][i]
+                                   for i in np.argmin(least, axis=1)], least
     # The chief stored it; the restarted job took it and tried nothing.
     stored = run.results[0]["stored"]
     (entry,) = [p for p in stored["plans"] if len(p["choices"]) == 4]

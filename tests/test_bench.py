@@ -128,7 +128,6 @@ def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
         "--compression=none", f"--output={output}", timeout=420)
     (row,) = json.loads(output.read_text())
     assert row["config"] == "auto" and row["exposed_communication_vs_stock"] is None
-    print(json.dumps(row["autotune"], indent=1))
     # The training step's all-reduces decided; the bench's barrier (a few
     # calls) did not finish its trials.
     decided = [plan for plan in row["autotune"] if plan["choices"] is not None]
@@ -136,8 +135,11 @@ def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
     for plan in decided:
         assert sorted(plan["candidates"]) == ["hierarchical", "ring"], plan
         assert set(plan["choices"]) <= set(plan["candidates"]), plan
-        assert all(len(bucket) == 2 and min(bucket) > 0
-                   for bucket in plan["trial_milliseconds"]), plan
+        # Each bucket kept its fastest candidate by the least time over workers
+        # (the times are rounded to 0.1 ms).
+        for algorithm, times in zip(plan["choices"], plan["trial_milliseconds"]):
+            assert len(times) == 2 and min(times) > 0, plan
+            assert times[plan["candidates"].index(algorithm)] <= min(times) + 0.1, plan
         assert f"# auto float32: {plan['call']}: " in stdout
     assert "(auto: after 10 more for its trials and decision)" in stdout
 

@@ -37,6 +37,7 @@ import statistics
 import tempfile
 
 from absl import flags
+import numpy as np
 
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import stats
@@ -108,10 +109,12 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
-            for key in ("powersgd", "autotune"):  # as the chief reports it
-                value = _run(outputs[0], precision, "distributed", key)
-                if value:
-                    rows[-1][key] = value
+            powersgd = _run(outputs[0], precision, "distributed", "powersgd")
+            if powersgd:
+                rows[-1]["powersgd"] = powersgd
+            autotune = [_run(o, precision, "distributed", "autotune") for o in outputs]
+            if autotune[0]:
+                rows[-1]["autotune"] = _least_trials(autotune)
     for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
         stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
@@ -119,6 +122,18 @@ def summarize(single, launches, num_workers, per_worker_batch):
             row[key.replace("_seconds", "_vs_stock")] = (
                 value / base if base and value is not None else None)
     return rows
+
+
+def _least_trials(reports):
+    """The chief's autotune report with each (bucket, candidate)'s trial
+    time the least over the workers: what every worker chose by."""
+    merged = []
+    for plans in zip(*reports):  # every worker traced its plans alike
+        if len({p["call"] for p in plans}) != 1:
+            raise RuntimeError(f"Workers report different all-reduces: {plans}")
+        merged.append(dict(plans[0], trial_milliseconds=np.min(
+            [p["trial_milliseconds"] for p in plans], axis=0).tolist()))
+    return merged
 
 
 def _run(output, precision, phase, key="step_seconds"):

@@ -20,10 +20,14 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   the other rounds adds up per candidate. All buckets run the same
   candidate in a step, so each bucket is timed beside the same traffic.
 - Decision, in the first step after the trials, on every worker at once:
-  one all-reduce takes each (bucket, candidate) time's maximum over the
-  workers (a bucket is as slow as its slowest worker), and each bucket
-  takes the candidate with the least (the first in the cost model's order
-  on a tie). Every worker computes it from the same all-reduced numbers,
+  one all-reduce takes each (bucket, candidate) time's minimum over the
+  workers, and each bucket takes the candidate with the least (the first
+  in the cost model's order on a tie). The minimum is the worker whose
+  buffer was ready last: no algorithm can start before it, so its time is
+  the algorithm's own, where an earlier worker's also counts its wait for
+  the others (skew between workers, not the algorithm: with 4 workers on
+  2 cores, hundreds of milliseconds a step, enough to pick a candidate 10
+  x slower for a small bucket when the maximum was taken). Every worker computes it from the same all-reduced numbers,
   so every worker picks the same.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
@@ -232,14 +236,14 @@ class AutoTuner:
                 return tf.identity(choice), stored
 
         def decide():
-            worst = world.all_reduce(
-                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Max")
-            choice = tf.argmin(worst, axis=1, output_type=tf.int32)
+            least = world.all_reduce(
+                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Min")
+            choice = tf.argmin(least, axis=1, output_type=tf.int32)
             done = [self._set(rows, choice)]
             if self.is_chief:
                 done.append(tf.py_function(
                     lambda c, s: self.report(plan, c.numpy(), s.numpy()) or 0,
-                    [choice, worst], tf.int32))
+                    [choice, least], tf.int32))
             with tf.control_dependencies(done):
                 return tf.identity(choice), tf.constant(False)
 
@@ -264,12 +268,12 @@ class AutoTuner:
         return tf.raw_ops.ResourceScatterNdUpdate(
             ref=self.chosen.handle, indices=rows[:, None], updates=choice)
 
-    def report(self, plan, choice, worst):
+    def report(self, plan, choice, least):
         """Logs the decision and stores it (the chief, once per plan). Runs
         inside the step: a file it cannot write is a warning, not a failure
         of the chief's step that would leave the others waiting."""
         lines = []
-        for bucket, (c, seconds) in enumerate(zip(choice, worst)):
+        for bucket, (c, seconds) in enumerate(zip(choice, least)):
             if plan.fixed[bucket] is not None:
                 lines.append(f"  bucket {bucket}: {plan.fixed[bucket]} (its size is "
                              "known only at run time)")
@@ -279,7 +283,7 @@ class AutoTuner:
             lines.append(f"  bucket {bucket}: {times} -> {plan.candidates[c]}")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its buffer ready to its result, mean of %d steps, "
-                     "slowest worker):\n%s", plan.key.split(";")[0], plan.trial_steps,
+                     "least over the workers):\n%s", plan.key.split(";")[0], plan.trial_steps,
                      ROUNDS, "\n".join(lines))
         if self.directory is None:
             return
@@ -287,7 +291,7 @@ class AutoTuner:
             self._stored[plan.key] = {
                 "key": plan.key, "candidates": list(plan.candidates),
                 "choices": self._names(plan, choice),
-                "milliseconds": (np.asarray(worst) / ROUNDS * 1e3).round(3).tolist()}
+                "milliseconds": (np.asarray(least) / ROUNDS * 1e3).round(3).tolist()}
             try:
                 _atomic.write_json(self.path(), {"plans": list(self._stored.values())},
                                    indent=1)
