@@ -126,13 +126,15 @@ def summarize(single, launches, num_workers, per_worker_batch):
 
 def _least_trials(reports):
     """The chief's autotune report with each (bucket, candidate)'s trial
-    time the least over the workers: what every worker chose by."""
+    milliseconds as every worker chose by: per timed round the least over
+    the workers, averaged over the rounds."""
     merged = []
-    for plans in zip(*reports):  # every worker traced its plans alike
+    for plans in zip(*reports, strict=True):  # every worker traced its plans alike
         if len({p["call"] for p in plans}) != 1:
             raise RuntimeError(f"Workers report different all-reduces: {plans}")
-        merged.append(dict(plans[0], trial_milliseconds=np.min(
-            [p["trial_milliseconds"] for p in plans], axis=0).tolist()))
+        least = np.min([p["round_milliseconds"] for p in plans], axis=0)
+        merged.append({k: v for k, v in plans[0].items() if k != "round_milliseconds"}
+                      | {"trial_milliseconds": least.mean(axis=2).round(1).tolist()})
     return merged
 
 
@@ -206,8 +208,10 @@ def main():
           f"{FLAGS.image_size}, synthetic data, SGD momentum, "
           f"{FLAGS.per_worker_batch} images per worker per step; "
           f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
-          f"after {FLAGS.warmup_steps} warm-up step(s) (auto: after "
-          f"{collectives.autotune.DECIDED_BY_STEP} more for its trials and decision)")
+          f"after {FLAGS.warmup_steps} warm-up step(s)" + (
+              f" (auto: after {collectives.autotune.DECIDED_BY_STEP} more for its "
+              "trials and decision)" if any(algorithm == collectives.autotune.NAME
+                                             for _, algorithm, _ in configs) else ""))
     print("# compute = the same step trained alone by every worker at once (no "
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "

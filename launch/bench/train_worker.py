@@ -13,6 +13,7 @@ import contextlib
 import statistics
 
 import keras
+import numpy as np
 
 from tfscale import models
 import tfscale
@@ -112,15 +113,16 @@ def _fit(spec, strategy):
 
 def _autotune_report(autotune):
     """Each all-reduce's candidates, its choice per bucket, and each
-    (bucket, candidate)'s mean trial milliseconds on this worker."""
+    (bucket, candidate)'s trial milliseconds on this worker: per timed
+    round, and their mean."""
     report = []
     for key, plan in autotune.choices().items():
-        trials = collectives.autotune.ROUNDS
+        milliseconds = np.asarray(plan["seconds"]) * 1e3
         report.append({
             "call": key.split(";")[0], "candidates": plan["candidates"],
             "choices": plan["choices"],
-            "trial_milliseconds": [[round(s / trials * 1e3, 1) for s in bucket]
-                                   for bucket in plan["seconds"]]})
+            "round_milliseconds": milliseconds.round(1).tolist(),
+            "trial_milliseconds": milliseconds.mean(axis=2).round(1).tolist()})
     return report
 
 

@@ -20,14 +20,19 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   the other rounds adds up per candidate. All buckets run the same
   candidate in a step, so each bucket is timed beside the same traffic.
 - Decision, in the first step after the trials, on every worker at once:
-  one all-reduce takes each (bucket, candidate) time's minimum over the
-  workers, and each bucket takes the candidate with the least (the first
-  in the cost model's order on a tie). The minimum is the worker whose
-  buffer was ready last: no algorithm can start before it, so its time is
-  the algorithm's own, where an earlier worker's also counts its wait for
-  the others (skew between workers, not the algorithm: with 4 workers on
-  2 cores, hundreds of milliseconds a step, enough to pick a candidate 10
-  x slower for a small bucket when the maximum was taken). Every worker computes it from the same all-reduced numbers,
+  one all-reduce takes each (bucket, candidate, round) time's minimum over
+  the workers, and each bucket takes the candidate with the least sum over
+  the rounds (the first in the cost model's order on a tie). In one round
+  the minimum is about the worker whose buffer was ready last: no
+  algorithm can start before it, so its time is mostly the algorithm's
+  own, where an earlier worker's also counts its wait for the others (the
+  skew between workers, which differs from step to step: with 4 workers
+  on 2 cores hundreds of milliseconds, enough to keep a candidate 10 x
+  slower for a small bucket when the maximum was taken). Per round,
+  because the last worker differs between rounds. Where workers play
+  different roles the minimum favours the light ones: a worker alone in
+  its node skips hierarchical's broadcast inside a node, so on unequal
+  nodes hierarchical's time is low by about that broadcast. Every worker computes it from the same all-reduced numbers,
   so every worker picks the same.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
@@ -67,7 +72,9 @@ NCCL_REFUSAL = ("algorithm='auto' tries TensorFlow-ring algorithms; over NCCL us
                 "implementation='ring' to tune over TensorFlow's ring.")
 # The algorithms "auto" chooses from, where the topology makes them differ.
 CHOICES = ("ring", "hierarchical", "2d")
-# Every plan has decided (and runs its choice) from this call on.
+# Steps before every plan has run its trials (at most 3 candidates x
+# (1 + ROUNDS)) and the step that decides: from this step index on, each
+# runs its choice alone.
 DECIDED_BY_STEP = len(CHOICES) * (ROUNDS + 1) + 1
 
 
@@ -124,8 +131,10 @@ class AutoTuner:
         self._writing = threading.Lock()  # plans may decide in the same step
         with tf.device(device), tf.init_scope():
             # Seconds of each bucket's trials per candidate, summed.
-            self.seconds = tf.Variable(tf.zeros([MAX_BUCKETS, len(CHOICES)], tf.float32),
-                                       trainable=False, name="autotune_seconds")
+            # Seconds of each bucket's trial per candidate and timed round.
+            self.seconds = tf.Variable(
+                tf.zeros([MAX_BUCKETS, len(CHOICES), ROUNDS], tf.float32),
+                trainable=False, name="autotune_seconds")
             # Each bucket's chosen candidate (its index in its plan's list).
             self.chosen = tf.Variable(tf.zeros([MAX_BUCKETS], tf.int32),
                                       trainable=False, name="autotune_chosen")
@@ -236,8 +245,8 @@ class AutoTuner:
                 return tf.identity(choice), stored
 
         def decide():
-            least = world.all_reduce(
-                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Min")
+            least = tf.reduce_sum(world.all_reduce(
+                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Min"), axis=2)
             choice = tf.argmin(least, axis=1, output_type=tf.int32)
             done = [self._set(rows, choice)]
             if self.is_chief:
@@ -258,10 +267,12 @@ class AutoTuner:
         graph_order.unordered_case(chosen)
         trying = tf.logical_and(step < trial_steps, tf.logical_not(stored))
         timed = tf.logical_and(trying, step >= num_candidates)
+        trial_round = tf.cast(tf.clip_by_value(step // num_candidates - 1, 0, ROUNDS - 1),
+                              tf.int32)
         self.steps[plan.number].assign(
             tf.where(stored, tf.constant(trial_steps + 1, tf.int64), step + 1))
         choice = tf.where(trying, tf.cast(step % num_candidates, tf.int32), chosen)
-        return Call(self, plan, choice, timed)
+        return Call(self, plan, choice, timed, trial_round)
 
     def _set(self, rows, choice):
         """The op writing `choice` to the rows of `chosen`."""
@@ -283,7 +294,7 @@ class AutoTuner:
             lines.append(f"  bucket {bucket}: {times} -> {plan.candidates[c]}")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its buffer ready to its result, mean of %d steps, "
-                     "least over the workers):\n%s", plan.key.split(";")[0], plan.trial_steps,
+                     "least over the workers in each):\n%s", plan.key.split(";")[0], plan.trial_steps,
                      ROUNDS, "\n".join(lines))
         if self.directory is None:
             return
@@ -307,7 +318,7 @@ class AutoTuner:
     def choices(self):
         """Each plan's state, read now: `{key: {"candidates", "steps",
         "choices" (algorithm per bucket, None until decided), "seconds"
-        (per bucket and candidate, summed over the timed trials)}}`."""
+        (this worker's, per bucket, candidate and timed round)}}`."""
         steps = self.steps.numpy()
         chosen = self.chosen.numpy()
         seconds = self.seconds.numpy()
@@ -330,6 +341,7 @@ class Call:
     plan: TunedPlan
     choice: tf.Tensor  # per bucket, an index into plan.candidates
     timed: tf.Tensor  # whether this step's times count
+    trial_round: tf.Tensor  # which timed round it is, if so
 
     def run(self, bucket, buffer, branches):
         """The result of `branches[algorithm]()` for the algorithm bucket
@@ -343,7 +355,7 @@ class Call:
         seconds = tf.where(self.timed, tf.cast(end - start, tf.float32), 0.0)
         graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
             ref=self.tuner.seconds.handle,
-            indices=tf.stack([row, self.choice[bucket]])[None],
+            indices=tf.stack([row, self.choice[bucket], self.trial_round])[None],
             updates=seconds[None]))
         return result
 

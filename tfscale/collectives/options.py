@@ -128,8 +128,9 @@ class CommunicationOptions:
       measured by the job itself: during the first steps each buffer runs
       each of them in turn on its real gradients (one warm-up and
       `autotune.ROUNDS` timed steps each), then every worker keeps, for
-      each buffer, the one whose slowest worker was fastest (they agree by
-      one all-reduce of the times). The chief logs the choice and, given
+      each buffer, the one with the least time (per step the least over
+      the workers, about the one ready last; they agree by one all-reduce
+      of the times). The chief logs the choice and, given
       `autotune_dir`, stores it there; a restart reuses it without trials.
       `cost_model` orders the trials and breaks ties. Nothing to try with
       one node or one worker per node (a ring); inside XLA no trials (the
