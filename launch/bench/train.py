@@ -31,6 +31,7 @@ global policy float32 or mixed_bfloat16):
   T_step(N) - T_compute also counts.
 """
 
+import itertools
 import os
 import shutil
 import statistics
@@ -246,14 +247,12 @@ def _choices_text(choices):
     """'ring for buckets 0-2, 2d for bucket 3'; 'not decided' for None."""
     if choices is None:
         return "not decided"
-    runs = []  # [algorithm, first bucket, last bucket]
-    for bucket, algorithm in enumerate(choices):
-        if runs and runs[-1][0] == algorithm:
-            runs[-1][2] = bucket
-        else:
-            runs.append([algorithm, bucket, bucket])
-    return ", ".join(f"{a} for bucket {f}" if f == l else f"{a} for buckets {f}-{l}"
-                     for a, f, l in runs)
+    runs = []
+    for algorithm, group in itertools.groupby(enumerate(choices), key=lambda c: c[1]):
+        buckets = [bucket for bucket, _ in group]
+        runs.append(f"{algorithm} for bucket {buckets[0]}" if len(buckets) == 1 else
+                    f"{algorithm} for buckets {buckets[0]}-{buckets[-1]}")
+    return ", ".join(runs)
 
 
 def _plot(rows, path, title):

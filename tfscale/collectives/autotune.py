@@ -17,7 +17,7 @@ candidate algorithm in turn on its real data, and keeps the fastest.
 - Trials: step s < C * (ROUNDS + 1) of a plan runs candidate s mod C in
   every bucket; the first round warms up (a group's first collective
   resolves it), each bucket's time from its buffer ready to its result in
-  the other rounds adds up per candidate. All buckets run the same
+  the other rounds is kept per candidate and round. All buckets run the same
   candidate in a step, so each bucket is timed beside the same traffic.
 - Decision, in the first step after the trials, on every worker at once:
   one all-reduce takes each (bucket, candidate, round) time's minimum over
@@ -32,8 +32,9 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   because the last worker differs between rounds. Where workers play
   different roles the minimum favours the light ones: a worker alone in
   its node skips hierarchical's broadcast inside a node, so on unequal
-  nodes hierarchical's time is low by about that broadcast. Every worker computes it from the same all-reduced numbers,
-  so every worker picks the same.
+  nodes hierarchical's time is low by about that broadcast. Every worker
+  computes it from the same all-reduced numbers, so every worker picks the
+  same.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
   the stored choice to every worker in its first step and tries nothing.
@@ -72,10 +73,16 @@ NCCL_REFUSAL = ("algorithm='auto' tries TensorFlow-ring algorithms; over NCCL us
                 "implementation='ring' to tune over TensorFlow's ring.")
 # The algorithms "auto" chooses from, where the topology makes them differ.
 CHOICES = ("ring", "hierarchical", "2d")
-# Steps before every plan has run its trials (at most 3 candidates x
-# (1 + ROUNDS)) and the step that decides: from this step index on, each
-# runs its choice alone.
-DECIDED_BY_STEP = len(CHOICES) * (ROUNDS + 1) + 1
+
+
+def trial_steps(num_candidates):
+    """Steps a plan with `num_candidates` candidates spends on its trials."""
+    return num_candidates * (ROUNDS + 1)
+
+
+# Steps before every plan has run its trials (at most all of CHOICES) and
+# the step that decides: from this step index on, each runs its choice alone.
+DECIDED_BY_STEP = trial_steps(len(CHOICES)) + 1
 
 
 def candidates(topology, supported):
@@ -109,7 +116,7 @@ class TunedPlan:
 
     @property
     def trial_steps(self):
-        return len(self.candidates) * (ROUNDS + 1)
+        return trial_steps(len(self.candidates))
 
 
 class AutoTuner:
@@ -130,7 +137,6 @@ class AutoTuner:
         self._calls = weakref.WeakKeyDictionary()  # traced function -> calls so far
         self._writing = threading.Lock()  # plans may decide in the same step
         with tf.device(device), tf.init_scope():
-            # Seconds of each bucket's trials per candidate, summed.
             # Seconds of each bucket's trial per candidate and timed round.
             self.seconds = tf.Variable(
                 tf.zeros([MAX_BUCKETS, len(CHOICES), ROUNDS], tf.float32),
@@ -294,8 +300,8 @@ class AutoTuner:
             lines.append(f"  bucket {bucket}: {times} -> {plan.candidates[c]}")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its buffer ready to its result, mean of %d steps, "
-                     "least over the workers in each):\n%s", plan.key.split(";")[0], plan.trial_steps,
-                     ROUNDS, "\n".join(lines))
+                     "least over the workers in each):\n%s", plan.key.split(";")[0],
+                     plan.trial_steps, ROUNDS, "\n".join(lines))
         if self.directory is None:
             return
         with self._writing:
