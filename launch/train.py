@@ -144,22 +144,30 @@ def strategy_from_flags(config):
     if config.cluster_resolver == "slurm":
         resolver = tfscale.slurm.ClusterResolver(port_base=config.slurm_port_base)
     return tfscale.Strategy(
-        cluster_resolver=resolver,
-        communication=tfscale.CommunicationOptions(
-            algorithm=config.algorithm,
-            fusion_threshold_bytes=config.fusion_threshold_bytes,
-            hybrid_threshold_bytes=config.hybrid_threshold_bytes,
-            local_size=config.local_size,
-            compression=config.compression,
-            powersgd=powersgd_options(config),
-            timeout_seconds=config.collective_timeout,
-            implementation=config.implementation,
-            timeline=config.timeline,
-            cost_model=cost_model_from_flags(config),
-            autotune_dir=config.model_dir if config.algorithm == "auto" else None,
-        ),
+        cluster_resolver=resolver, communication=communication_options(config),
         startup_timeout_seconds=config.startup_timeout or None,
     )
+
+
+def communication_options(config):
+    """The `tfscale.CommunicationOptions` of the communication flags. Where
+    the algorithm may be "auto" (given, or the default over TensorFlow's
+    ring), the chief stores its choice in --model_dir for a restart."""
+    options = tfscale.CommunicationOptions(
+        algorithm=config.algorithm,
+        fusion_threshold_bytes=config.fusion_threshold_bytes,
+        hybrid_threshold_bytes=config.hybrid_threshold_bytes,
+        local_size=config.local_size,
+        compression=config.compression,
+        powersgd=powersgd_options(config),
+        timeout_seconds=config.collective_timeout,
+        implementation=config.implementation,
+        timeline=config.timeline,
+        cost_model=cost_model_from_flags(config),
+    )
+    if options.may_autotune and config.model_dir:
+        options = dataclasses.replace(options, autotune_dir=config.model_dir)
+    return options
 
 
 def cost_model_from_flags(config):

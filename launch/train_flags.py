@@ -103,7 +103,9 @@ def _define_job_flags():
         "(tf.config.experimental.enable_op_determinism()). Needed on GPUs "
         "for bitwise-reproducible runs and resumes (cuDNN and NCCL choose "
         "kernels by speed); tfscale's bitwise claims hold on CPU without "
-        "it. Its cost: BENCHMARKS.md.")
+        "it, except between two runs across nodes under the default "
+        "algorithm, auto, which chooses by timings (with it, by the cost "
+        "model). Its cost: BENCHMARKS.md.")
     flags.DEFINE_string(
         "model_dir", None,
         "Directory for checkpoints of the whole training state (every "
@@ -175,9 +177,10 @@ def _define_communication_flags():
         "All-reduce algorithm per fused buffer "
         "(tfscale.CommunicationOptions); auto: each buffer's fastest, "
         "measured in the first steps, stored in --model_dir/autotune.json "
-        "and reused on restart; unset: hybrid over TensorFlow's "
-        "ring, ring over NCCL (one NCCL all-reduce per buffer over all "
-        "workers, NCCL's own ring or tree inside).",
+        "and reused on restart; unset: auto over TensorFlow's ring (a "
+        "ring on one node; hybrid if --hybrid_threshold_bytes is given), "
+        "ring over NCCL (one NCCL all-reduce per buffer over all workers, "
+        "NCCL's own ring or tree inside).",
     )
     flags.DEFINE_string(
         "cost_model", None,

@@ -69,8 +69,11 @@ def test_options_refuse_autotune_dir_without_auto_and_auto_over_nccl():
     else:
         with pytest.raises(ValueError, match="over NCCL use algorithm='ring'"):
             tfscale.CommunicationOptions(algorithm="auto", implementation="nccl")
-    options = tfscale.CommunicationOptions(algorithm="auto", autotune_dir="/tmp/x")
-    assert options.autotune_dir == "/tmp/x"
+    with pytest.raises(ValueError, match="only applies to algorithm='auto'"):
+        tfscale.CommunicationOptions(hybrid_threshold_bytes=4096, autotune_dir="/tmp/x")
+    for algorithm in ("auto", None):  # None: the default, auto over TF's ring
+        options = tfscale.CommunicationOptions(algorithm=algorithm, autotune_dir="/tmp/x")
+        assert options.autotune_dir == "/tmp/x"
 
 
 def test_a_bad_cost_model_file_is_named(tmp_path):
@@ -107,19 +110,21 @@ def _flat(weights):
 
 
 @pytest.mark.multiworker
-def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(tmp_path):
+def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_match_the_ring(
+        tmp_path):
     autotune_dir = tmp_path / "model_dir"
     run = multiworker.run_workers(
         "autotune_fit.py", 4, tmp_path,
         args=[f"--autotune_dir={autotune_dir}", "--steps=12"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
-    for name in ("ring", "auto", "restarted"):  # every worker the same weights
+    names = ("ring", "default", "restarted", "default+powersgd")
+    for name in names:  # every worker the same weights
         for other in results[1:]:
             np.testing.assert_array_equal(_flat(other[name]["weights"]),
                                           _flat(results[0][name]["weights"]), err_msg=name)
     ring = _flat(results[0]["ring"]["weights"])
-    for name in ("auto", "restarted"):  # sums in another order: rounding only
+    for name in ("default", "restarted"):  # sums in another order: rounding only
         relative = np.max(np.abs(_flat(results[0][name]["weights"]) - ring))
         assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
 
@@ -128,7 +133,10 @@ def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(
         (plan,) = [p for p in result["autotune"] if len(p["seconds"]) == 4]
         return plan
 
-    tuned = [gradients(r["auto"]) for r in results]
+    # The default (algorithm=None) on 2 nodes is auto, as is the restart's
+    # algorithm="auto".
+    assert {r[name]["algorithm"] for r in results for name in names[1:]} == {"auto"}
+    tuned = [gradients(r["default"]) for r in results]
     assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
         "ring", "hierarchical", "2d"}
     assert tuned[0]["steps"] == 12
@@ -149,6 +157,18 @@ def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(
         restarted = gradients(result["restarted"])
         assert restarted["choices"] == tuned[0]["choices"]
         assert not np.any(restarted["seconds"])
+    # PowerSGD under the default: the all-reduces of its compressed steps
+    # (from step 2 on, 10 calls each: the factors' and the uncompressed
+    # biases') tried the candidates and chose, alike on every worker.
+    powersgd = [r["default+powersgd"]["autotune"] for r in results]
+    compressed = [p for p in powersgd[0] if p["steps"] == 10]
+    assert len(compressed) >= 2, powersgd[0]
+    for plan in compressed:
+        assert set(plan["candidates"]) == {"ring", "hierarchical", "2d"}
+        assert np.all(np.asarray(plan["seconds"]) > 0) and plan["choices"] is not None
+    for plans in powersgd[1:]:
+        assert [p["choices"] for p in plans] == [p["choices"] for p in powersgd[0]]
+    assert np.all(np.isfinite(_flat(results[0]["default+powersgd"]["weights"])))
     chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
     assert any("tfscale autotune: " in l and "chose after 9 trial steps" in l
                for l in chief)
@@ -157,9 +177,19 @@ def test_four_workers_try_each_candidate_agree_on_one_choice_and_match_the_ring(
                 if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
 
 
-def test_inside_xla_auto_takes_the_cost_models_choice_and_tries_nothing():
-    """XLA has no tf.timestamp: a step compiled with jit_compile=True runs
-    each bucket's fastest prediction, no switch, no trials (traced graph)."""
+def test_beyond_the_tuners_limits_a_call_is_not_tuned():
+    """Past MAX_BUCKETS a call gets no plan (`AllReduce` then runs the cost
+    model's choice, as inside XLA), not an error: the default would otherwise
+    fail jobs that never asked for auto."""
+    tuner = autotune.AutoTuner()
+    assert tuner.tuned_plan("a", ("ring", "2d"), [None] * autotune.MAX_BUCKETS)
+    assert tuner.tuned_plan("b", ("ring", "2d"), [None]) is None
+    assert list(tuner.plans) == ["a"]
+
+
+def _auto_on_two_nodes():
+    """An "auto" `AllReduce` on 2 nodes of 2 and a group to trace it with on
+    this CPU (no peers: only traced, never run)."""
     from tfscale import collectives
     from tfscale._private import tf_collectives
 
@@ -167,17 +197,44 @@ def test_inside_xla_auto_takes_the_cost_models_choice_and_tries_nothing():
     topology = topology_lib.from_hosts(["a", "a", "b", "b"], 0, 2)
     world = tf_collectives.standalone_group(
         4, cpu, "ring", max_subgroup_index=collectives.topology.MAX_SUBGROUP_INDEX)
-    all_reduce = collectives.AllReduce(topology, "auto", fusion_threshold_bytes=0,
-                                       implementation="ring")
-    sizes = (300, 900)
-    ops = {}
-    for jit_compile in (False, True):
-        function = tf.function(lambda *t: all_reduce(list(t), world),
-                               jit_compile=jit_compile)
-        graph = function.get_concrete_function(
-            *[tf.TensorSpec([n], tf.float32) for n in sizes]).graph
-        ops[jit_compile] = {op.type for op in graph.get_operations()}
+    return collectives.AllReduce(topology, "auto", fusion_threshold_bytes=0,
+                                 implementation="ring"), world
+
+
+def _traced_op_types(all_reduce, world, jit_compile=False):
+    function = tf.function(lambda *t: all_reduce(list(t), world), jit_compile=jit_compile)
+    graph = function.get_concrete_function(
+        *[tf.TensorSpec([n], tf.float32) for n in (300, 900)]).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_inside_xla_auto_takes_the_cost_models_choice_and_tries_nothing():
+    """XLA has no tf.timestamp: a step compiled with jit_compile=True runs
+    each bucket's fastest prediction, no switch, no trials (traced graph)."""
+    all_reduce, world = _auto_on_two_nodes()
+    ops = {jit_compile: _traced_op_types(all_reduce, world, jit_compile)
+           for jit_compile in (False, True)}
     assert "Case" in ops[False] and "Case" not in ops[True]
     assert "CollectiveReduceV2" in ops[True]
     # Only the traced call without XLA made a plan to tune.
+    assert len(all_reduce.autotuner.plans) == 1
+
+
+def test_under_op_determinism_auto_takes_the_cost_models_choice_and_tries_nothing():
+    """Runs that must repeat each other bit for bit cannot choose by
+    timings: with op determinism on, each bucket runs the cost model's
+    fastest prediction, no switch, no trials (traced graph); off again, it
+    tunes (this also fails if the private getter stops answering)."""
+    # TensorFlow's own switch back, so that later tests run as before.
+    from tensorflow.python.framework import config as tf_config
+
+    all_reduce, world = _auto_on_two_nodes()
+    tf.config.experimental.enable_op_determinism()
+    try:
+        deterministic = _traced_op_types(all_reduce, world)
+    finally:
+        tf_config.disable_op_determinism()
+    assert "Case" not in deterministic and "CollectiveReduceV2" in deterministic
+    assert not all_reduce.autotuner.plans
+    assert "Case" in _traced_op_types(all_reduce, world)
     assert len(all_reduce.autotuner.plans) == 1

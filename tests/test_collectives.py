@@ -420,8 +420,11 @@ def test_halving_doubling_sums_exactly_and_alike_on_any_number_of_workers(
 FIT_CONFIGS = {
     4: ["ring", "hierarchical", "2d", "hybrid", "hierarchical+bfloat16",
         "ring+float16"],
-    3: ["ring", "hierarchical", "hybrid", "halving_doubling"],
+    # "default": CommunicationOptions() as most users leave it (auto here).
+    3: ["ring", "hierarchical", "hybrid", "halving_doubling", "default"],
 }
+# 3 workers: auto's 6 trial steps (2 candidates) and its decision.
+FIT_STEPS = {4: 6, 3: 7}
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +433,8 @@ def fit_runs(tmp_path_factory):
     runs = {}
     for num_workers, configs in FIT_CONFIGS.items():
         run = run_workers("collectives_fit.py", num_workers, tmp_path,
-                          args=["--local_size=2", "--configs=" + ",".join(configs)],
+                          args=["--local_size=2", "--configs=" + ",".join(configs),
+                                f"--steps={FIT_STEPS[num_workers]}"],
                           timeout=180)
         assert_succeeded(run)
         runs[num_workers] = run
@@ -474,6 +478,28 @@ def test_fit_with_each_algorithm_matches_ring(fit_runs, num_workers):
             assert relative <= 1e-5, (config, relative)
         np.testing.assert_allclose(result["accuracy"], results["ring"]["accuracy"],
                                    rtol=0.05)
+
+
+@pytest.mark.multiworker
+def test_fit_by_default_tunes_ring_against_hierarchical_on_nodes_of_2_and_1(fit_runs):
+    results = fit_runs[3].results
+    for result in results:
+        assert result["nodes"] == [[0, 1], [2]]
+        assert result["algorithms"]["default"] == "auto"
+
+    def gradients(result):  # the gradients' all-reduce: 2 buckets
+        (plan,) = [p for p in result["autotune"]["default"] if len(p["seconds"]) == 2]
+        return plan
+
+    # The two algorithms that differ here (2d needs equal nodes), each timed
+    # in its trial steps (6), then one choice per bucket in the 7th step,
+    # the same on every worker.
+    plan = gradients(results[0])
+    assert sorted(plan["candidates"]) == ["hierarchical", "ring"]
+    assert plan["steps"] == 7 and len(plan["choices"]) == 2
+    for result in results:
+        assert np.all(np.asarray(gradients(result)["seconds"]) > 0)
+        assert gradients(result)["choices"] == plan["choices"]
 
 
 @pytest.mark.multiworker

@@ -171,8 +171,9 @@ def test_the_default_on_a_gpu_is_one_nccl_all_reduce_per_bucket_over_all_workers
         assert {op.get_attr("communication_hint") for op in ops} == {b"nccl"}
 
 
-def test_the_default_on_cpu_stays_hybrid_and_named_algorithms_stay_available():
-    assert default_algorithm(CPU) == ("ring", "hybrid")
+def test_the_default_on_cpu_is_auto_and_named_algorithms_stay_available():
+    assert default_algorithm(CPU) == ("ring", "auto")
+    assert default_algorithm(CPU, hybrid_threshold_bytes=2000) == ("ring", "hybrid")
     assert default_algorithm(GPU, hybrid_threshold_bytes=2000) == ("nccl", "hybrid")
     for name in ("hierarchical", "2d", "halving_doubling", "hybrid"):
         assert default_algorithm(GPU, algorithm=name) == ("nccl", name)

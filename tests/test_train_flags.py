@@ -252,3 +252,18 @@ def test_cost_model_flag_is_checked_and_shared_by_its_contents(tmp_path):
     # Workers compare what the file holds, not only its path.
     assert train.shared_settings(config)["cost_model"] == (
         cost_model_lib.DEFAULT.get_config())
+
+
+def test_the_default_algorithm_stores_autos_choice_in_the_model_dir(tmp_path):
+    """Unset --algorithm is auto over TensorFlow's ring: the chief's choice
+    goes to --model_dir for a restart; a fixed algorithm, or hybrid's
+    threshold, keeps no choice."""
+    from tfscale.launch import train
+
+    model_dir = str(tmp_path / "model")
+    for args, expected in (((), model_dir), (("--algorithm=auto",), model_dir),
+                           (("--algorithm=ring",), None),
+                           (("--hybrid_threshold_bytes=4096",), None)):
+        parse(f"--model_dir={model_dir}", *args)
+        options = train.communication_options(train_flags.Config.from_flags())
+        assert options.autotune_dir == expected, args

@@ -554,8 +554,9 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
 
     @property
     def autotune(self):
-        """Under `algorithm="auto"`: the `tfscale.collectives.autotune.AutoTuner`
-        whose `choices()` tell each all-reduce's trials and choice; else None."""
+        """Under `algorithm="auto"` (the default over TensorFlow's ring): the
+        `tfscale.collectives.autotune.AutoTuner` whose `choices()` tell each
+        all-reduce's trials and choice; else None."""
         return self._all_reduce.autotuner
 
     def all_reduce_plan(self, tensors):

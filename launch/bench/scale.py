@@ -18,7 +18,9 @@ same first, as the reference. Per count it prints:
   strategy being ready (imports, every worker connected), median and slowest;
 - peak memory: each worker's peak resident memory (VmHWM), median and
   largest, and the sum over the workers;
-- step: the median step time of the default strategy's second epoch;
+- step: the median step time of the ring's second epoch (the default's when
+  --algorithms leaves out ring; across nodes the default, auto, spends its
+  first steps trying algorithms);
 - per algorithm: whether every worker ended with bitwise-identical weights,
   and the largest difference from the one-worker weights.
 """
@@ -60,7 +62,8 @@ def _flat(weights):
 
 def summarize(reference, outputs, emulated_nodes):
     """One row from the one-worker reference and the N workers' outputs."""
-    default = outputs[0]["runs"].get(DEFAULT) or next(iter(outputs[0]["runs"].values()))
+    runs = outputs[0]["runs"]
+    timed = runs.get("ring") or runs.get(DEFAULT) or next(iter(runs.values()))
     row = {
         "num_workers": len(outputs),
         "emulated_nodes": emulated_nodes,
@@ -71,7 +74,7 @@ def summarize(reference, outputs, emulated_nodes):
             o["peak_memory_bytes"] for o in outputs) / 2**20,
         "peak_memory_mib_max": max(o["peak_memory_bytes"] for o in outputs) / 2**20,
         "peak_memory_gib_sum": sum(o["peak_memory_bytes"] for o in outputs) / 2**30,
-        "step_seconds": default["step_seconds"],
+        "step_seconds": timed["step_seconds"],
         "algorithms": {},
     }
     for algorithm, run in outputs[0]["runs"].items():

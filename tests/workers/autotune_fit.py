@@ -1,11 +1,12 @@
 """Keras `fit` under `algorithm="auto"` (2 nodes of 2), against the ring.
 
-Three trainings of the same model from the same seed, one strategy each,
-built one after another as a user would: `ring`; `auto` with
-`autotune_dir` (trials, then the choice, stored by the chief); `auto`
-again with the same directory, as a restarted job (the chief finds the
-choice: no trials). The first `auto` runs 3 steps per execution. Reports each one's weights, its autotuner's state and
-what the chief stored.
+Four trainings of the same model from the same seed, one strategy each,
+built one after another as a user would: `ring`; the default algorithm
+(None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
+stored by the chief); `algorithm="auto"` with the same directory, as a
+restarted job (the chief finds the choice: no trials); the default with
+PowerSGD. The default's first training runs 3 steps per execution. Reports
+each one's weights, its autotuner's state and what the chief stored.
 
 Flags: --autotune_dir, --steps.
 """
@@ -39,10 +40,11 @@ def dataset_fn(input_context):
     return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
-def train(algorithm, autotune_dir=None, steps_per_execution=1):
+def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None):
     strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
         algorithm=algorithm, fusion_threshold_bytes=FUSION_BYTES, local_size=2,
-        timeout_seconds=60, autotune_dir=autotune_dir))
+        timeout_seconds=60, autotune_dir=autotune_dir,
+        compression=powersgd and "powersgd", powersgd=powersgd))
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([
@@ -56,7 +58,8 @@ def train(algorithm, autotune_dir=None, steps_per_execution=1):
             steps_per_execution=steps_per_execution)
     data = strategy.distribute_datasets_from_function(dataset_fn)
     model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0)
-    result = {"weights": [v.numpy().ravel().tolist() for v in model.trainable_variables]}
+    result = {"weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
+              "algorithm": strategy.communication_algorithm}
     if strategy.autotune is not None:
         result["autotune"] = list(strategy.autotune.choices().values())
     return strategy, result
@@ -67,13 +70,17 @@ def main(argv):
     strategy, results["ring"] = train("ring")
     # 3 steps per execution: the trials and the decision run inside Keras's
     # loop (a tf.while_loop) too.
-    _, results["auto"] = train("auto", FLAGS.autotune_dir, steps_per_execution=3)
+    _, results["default"] = train(None, FLAGS.autotune_dir, steps_per_execution=3)
     path = os.path.join(FLAGS.autotune_dir, autotune.FILE_NAME)
     stored = None
     if os.path.exists(path):
         with open(path) as f:
             stored = json.load(f)
     _, results["restarted"] = train("auto", FLAGS.autotune_dir)
+    # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
+    # all-reduces are tuned too, each its own call site.
+    _, results["default+powersgd"] = train(
+        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2))
     report({"worker_index": strategy.worker_index, "results": results,
             "stored": stored})
 

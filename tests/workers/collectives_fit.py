@@ -4,8 +4,8 @@ Each configuration is a `tfscale.Strategy(communication=CommunicationOptions(
 ...))` of its own, built one after another in this process as a user would.
 Each trains a fresh model from the same seed on the same data.
 
-Flags: --local_size, --configs (comma-separated `algorithm[+compression]`),
---steps.
+Flags: --local_size, --configs (comma-separated `algorithm[+compression]`;
+`default` is algorithm=None), --steps.
 """
 
 import numpy as np
@@ -41,6 +41,7 @@ def dataset_fn(input_context):
 
 def options(config):
     algorithm, _, compression = config.partition("+")
+    algorithm = None if algorithm == "default" else algorithm
     return tfscale.CommunicationOptions(
         algorithm=algorithm, fusion_threshold_bytes=FUSION_BYTES,
         hybrid_threshold_bytes=HYBRID_BYTES if algorithm == "hybrid" else None,
@@ -74,13 +75,16 @@ def train(strategy):
 
 
 def main(argv):
-    results, plans, batch_sizes = {}, {}, {}
+    results, plans, batch_sizes, algorithms, autotune = {}, {}, {}, {}, {}
     for config in FLAGS.configs:
         strategy = tfscale.Strategy(communication=options(config))
         results[config] = train(strategy)
         plans[config] = [b.algorithm for b in strategy.all_reduce_plan(
             [tf.zeros([8, 16]), tf.zeros([16]), tf.zeros([16, 4]), tf.zeros([4])])]
         batch_sizes[config] = strategy.all_reduce_batch_sizes
+        algorithms[config] = strategy.communication_algorithm
+        if strategy.autotune is not None:
+            autotune[config] = list(strategy.autotune.choices().values())
     report({
         "worker_index": strategy.worker_index,
         "initial": [v.numpy().ravel().tolist()
@@ -89,6 +93,8 @@ def main(argv):
         "results": results,
         "plans": plans,
         "all_reduce_batch_sizes": batch_sizes,
+        "algorithms": algorithms,
+        "autotune": autotune,
     })
 
 

@@ -48,6 +48,11 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   find the port held by TensorFlow.
 - `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
   cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
+- `tensorflow.python.framework.config.is_op_determinism_enabled`
+  (`accessors.op_determinism_enabled`): under op determinism
+  `algorithm="auto"` takes the cost model's choice instead of timing its
+  candidates. tests/test_autotune.py,
+  test_under_op_determinism_auto_takes_the_cost_models_choice_and_tries_nothing.
 - `Model._flatten_layers` (`flatten_layers`): every nested layer, to find
   BatchNorm statistics. tests/reliability/test_batch_norm_sync.py.
 - Keras's `seed_generator_state` variable path (`seed_generator_states`):

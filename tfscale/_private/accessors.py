@@ -2,6 +2,7 @@
 APIs; see `tfscale._private`)."""
 
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
@@ -9,6 +10,12 @@ def in_xla_context():
     """Whether the graph being built is compiled by XLA (a `tf.function`
     with `jit_compile=True`, or one it calls)."""
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+def op_determinism_enabled():
+    """Whether `tf.config.experimental.enable_op_determinism()` is on
+    (TensorFlow exports no getter)."""
+    return tf_config.is_op_determinism_enabled()
 
 
 def cluster_spec_dict(strategy):

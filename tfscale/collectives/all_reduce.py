@@ -254,17 +254,21 @@ class AllReduce:
         """Sums `tensors` (dense, forward order) over all workers."""
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
-        tuning = None
+        tuning, untried = None, False
         if any(b.candidates for b in buckets):
-            if accessors.in_xla_context():  # no tf.timestamp: no trials
-                buckets = [self._prior_choice(b) for b in buckets]
-            else:
+            # No trials inside XLA (no tf.timestamp), nor under op
+            # determinism (a choice by timings would differ between runs).
+            untried = accessors.in_xla_context() or accessors.op_determinism_enabled()
+            if not untried:
                 names = next(b for b in buckets if b.candidates).candidates
                 tuning = self.autotuner.tuned_plan(
                     self.autotuner.call_site(autotune_lib.plan_key(self.topology, buckets)),
                     tuple(a for a, _ in names),
                     [None if b.candidates else b.algorithm for b in buckets])
-        self._log(buckets, tuning)
+                untried = tuning is None  # beyond what the tuner holds
+            if untried:
+                buckets = [self._prior_choice(b) for b in buckets]
+        self._log(buckets, tuning, untried)
         last = len(tensors) - 1
 
         def note(indices=None, **fields):  # indices in the order given to us
@@ -295,7 +299,7 @@ class AllReduce:
         return dataclasses.replace(bucket, algorithm=algorithm, num_chunks=num_chunks,
                                    candidates=())
 
-    def _log(self, buckets, tuning=None):
+    def _log(self, buckets, tuning=None, untried=False):
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
         if not self.log_plans or key in self._logged:
             return
@@ -312,8 +316,12 @@ class AllReduce:
             threshold = (f", auto: each bucket tries {', '.join(tuning.candidates)} in "
                          f"turn for its first {tuning.trial_steps} calls (1 warm-up + "
                          f"{autotune_lib.ROUNDS} timed each), then keeps its fastest")
+        elif self.algorithm == autotune_lib.NAME and untried:
+            threshold = (", auto: the cost model's choice, no trials (inside XLA, "
+                         "under op determinism, or beyond the tuner's limits)")
         elif self.algorithm == autotune_lib.NAME:
-            threshold = ", auto: one candidate here, or XLA: the cost model's choice"
+            threshold = (", auto: nothing to choose (one node, one worker per node, "
+                         "or sizes known only at run time)")
         logging.info(
             "tfscale all-reduce of %d tensor(s) on %s: algorithm=%s, "
             "fusion_threshold_bytes=%s, compression=%s%s%s; %d bucket(s), "

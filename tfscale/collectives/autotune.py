@@ -38,8 +38,10 @@ candidate algorithm in turn on its real data, and keeps the fastest.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
   the stored choice to every worker in its first step and tries nothing.
-- Inside XLA (`jit_compile=True`), which has no `tf.timestamp`: no trials,
-  each bucket takes the cost model's fastest prediction.
+- Inside XLA (`jit_compile=True`), which has no `tf.timestamp`, and under
+  op determinism (`tf.config.experimental.enable_op_determinism()`, whose
+  runs must repeat each other bit for bit, which a choice by timings would
+  not): no trials, each bucket takes the cost model's fastest prediction.
 
 The algorithm of a bucket is a `tf.switch_case` over the candidates: the
 graph holds each candidate's collectives (every worker traces the same
@@ -187,7 +189,9 @@ class AutoTuner:
         return f"{outermost.name} #{ordinal}; {buckets_key}"
 
     def tuned_plan(self, key, candidates, fixed):
-        """The `TunedPlan` of `key` (`call_site`), made on first use.
+        """The `TunedPlan` of `key` (`call_site`), made on first use; None
+        (with a warning: the call takes the cost model's choice) beyond
+        `MAX_PLANS` calls or `MAX_BUCKETS` buckets.
 
         Args:
             key: the call's key.
@@ -197,12 +201,14 @@ class AutoTuner:
         if key not in self.plans:
             if (len(self.plans) >= MAX_PLANS
                     or self._buckets_used + len(fixed) > MAX_BUCKETS):
-                raise ValueError(
-                    f"algorithm='auto' tunes at most {MAX_PLANS} all-reduce calls "
-                    f"and {MAX_BUCKETS} buckets per strategy; this one already has "
-                    f"{len(self.plans)} calls and {self._buckets_used} buckets and "
-                    f"needs {len(fixed)} more. Use a fixed algorithm, or a larger "
-                    "fusion_threshold_bytes for fewer buckets.")
+                logging.warning(
+                    "tfscale autotune: one strategy tunes at most %d all-reduce calls "
+                    "and %d buckets; it has %d calls and %d buckets, so %s (%d "
+                    "buckets) takes the cost model's choice without trials. A larger "
+                    "fusion_threshold_bytes makes fewer buckets.", MAX_PLANS,
+                    MAX_BUCKETS, len(self.plans), self._buckets_used,
+                    key.split(";")[0], len(fixed))
+                return None
             self.plans[key] = TunedPlan(key, len(self.plans), self._buckets_used,
                                         tuple(candidates), tuple(fixed),
                                         self._stored_choice(key, candidates, len(fixed)))

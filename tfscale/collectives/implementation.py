@@ -29,6 +29,7 @@ by this project; see `tfscale._private.tf_collectives.CollectiveGroup`):
 import tensorflow as tf
 
 from tfscale._private.tf_collectives import NCCL_DTYPES  # noqa: F401 (what NCCL sums)
+from tfscale.collectives import autotune
 
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
 
@@ -77,19 +78,23 @@ def default_algorithm(implementation, hybrid_threshold_bytes=None):
     """The algorithm of `CommunicationOptions(algorithm=None)` on
     `implementation`.
 
-    Over TensorFlow's ring, "hybrid" (each buffer by the cost model's
-    fastest, or by `hybrid_threshold_bytes`). Over NCCL, "ring": one NCCL
+    Over TensorFlow's ring, "auto": each buffer's fastest of ring,
+    hierarchical and 2d, measured by the job in its first steps
+    (`autotune`; why it is the default: docs/communication.md). With one
+    node, or one worker per node, it is the ring and tries nothing; inside
+    XLA or under op determinism, the cost model's choice. Over NCCL, "ring": one NCCL
     all-reduce per fused bucket over the world group, inside which NCCL
     picks its own ring or tree for the topology: the path every NCCL user
     runs (Horovod, PyTorch DDP, stock MultiWorkerMirroredStrategy with
-    NCCL). tfscale's sub-group algorithms over NCCL put several
-    communicators on one GPU stream, which no tfscale test has run on a
-    GPU; they stay available by name. A `hybrid_threshold_bytes` asks for
-    "hybrid" on either.
+    NCCL); "auto" is refused there (`autotune.NCCL_REFUSAL`), and
+    tfscale's sub-group algorithms over NCCL put several communicators on
+    one GPU stream, which no tfscale test has run on a GPU; they stay
+    available by name. A `hybrid_threshold_bytes` asks for "hybrid" on
+    either.
     """
-    if hybrid_threshold_bytes is not None or implementation != "nccl":
+    if hybrid_threshold_bytes is not None:
         return "hybrid"
-    return "ring"
+    return "ring" if implementation == "nccl" else autotune.NAME
 
 
 def wire_compression(compression, implementation):

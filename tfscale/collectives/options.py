@@ -124,17 +124,18 @@ class CommunicationOptions:
       threshold, the faster of ring and hierarchical by `cost_model`'s
       prediction (halving_doubling, measured slower on this runtime, is
       not among its choices: BENCHMARKS.md section 11).
-    - `"auto"`: per buffer, the fastest of ring, hierarchical and 2d as
-      measured by the job itself: during the first steps each buffer runs
-      each of them in turn on its real gradients (one warm-up and
-      `autotune.ROUNDS` timed steps each), then every worker keeps, for
-      each buffer, the one with the least time (per step the least over
-      the workers, about the one ready last; they agree by one all-reduce
-      of the times). The chief logs the choice and, given
-      `autotune_dir`, stores it there; a restart reuses it without trials.
-      `cost_model` orders the trials and breaks ties. Nothing to try with
-      one node or one worker per node (a ring); inside XLA no trials (the
-      cost model's choice). See `tfscale.collectives.autotune`.
+    - `"auto"` (the default over TensorFlow's ring): per buffer, the
+      fastest of ring, hierarchical and 2d as measured by the job itself:
+      during the first steps each buffer runs each of them in turn on its
+      real gradients (one warm-up and `autotune.ROUNDS` timed steps each),
+      then every worker keeps, for each buffer, the one with the least
+      time (per step the least over the workers, about the one ready last;
+      they agree by one all-reduce of the times). The chief logs the
+      choice and, given `autotune_dir`, stores it there; a restart reuses
+      it without trials. `cost_model` orders the trials and breaks ties.
+      Nothing to try with one node or one worker per node (a ring); inside
+      XLA or under op determinism no trials (the cost model's choice). See
+      `tfscale.collectives.autotune`.
 
     With one node, or one worker per node, "hierarchical" and "2d" run as a
     ring.
@@ -142,10 +143,11 @@ class CommunicationOptions:
 
     Args:
         algorithm: `"hybrid"`, `"ring"`, `"hierarchical"`, `"2d"`,
-            `"halving_doubling"` or `"auto"`. `None` (default): `"hybrid"` over
-            TensorFlow's ring, `"ring"` over NCCL (one NCCL all-reduce per
-            buffer over all workers; NCCL picks its ring or tree), the path
-            most run by others until tfscale's own have run on GPUs
+            `"halving_doubling"` or `"auto"`. `None` (default): `"auto"` over
+            TensorFlow's ring (a ring on one node), `"ring"` over NCCL (one
+            NCCL all-reduce per buffer over all workers; NCCL picks its ring
+            or tree), the path most run by others until tfscale's own have
+            run on GPUs; `"hybrid"` when `hybrid_threshold_bytes` is given
             (`collectives.implementation.default_algorithm`).
         fusion_threshold_bytes: buffer size at which a fused buffer is closed
             and sent; 0 sends each tensor on its own.
@@ -224,10 +226,13 @@ class CommunicationOptions:
             (`tfscale._private.graph_order`), so `time_all_reduces`' exposed
             communication (and `StragglerReport`'s compute times) add up
             all-reduces that overlap: not comparable with a run without it.
-        autotune_dir: `algorithm="auto"` only: a directory (the job's model
+        autotune_dir: `algorithm="auto"` (or `None`, whose default it is
+            over TensorFlow's ring) only: a directory (the job's model
             directory) where the chief writes `autotune.json`, each
             all-reduce's choice; a job started again with it finds its
-            choice there and tries nothing. `None`: choices are not kept.
+            choice there and tries nothing. Unused where nothing is tuned
+            (one node; NCCL, whose default is the ring). `None`: choices are
+            not kept.
     """
 
     algorithm: str | None = None
@@ -323,10 +328,12 @@ class CommunicationOptions:
             raise ValueError(f"{autotune_lib.NCCL_REFUSAL} Received: algorithm='auto', "
                              "implementation='nccl'")
         if self.autotune_dir is not None:
-            if self.algorithm != autotune_lib.NAME:
+            if not self.may_autotune:
                 raise ValueError(
-                    "Argument `autotune_dir` only applies to algorithm='auto'; this "
-                    f"is algorithm={self.algorithm!r}. Received: autotune_dir="
+                    "Argument `autotune_dir` only applies to algorithm='auto' (the "
+                    "default, algorithm=None, without hybrid_threshold_bytes); this "
+                    f"is algorithm={self.algorithm!r}, hybrid_threshold_bytes="
+                    f"{self.hybrid_threshold_bytes!r}. Received: autotune_dir="
                     f"{self.autotune_dir!r}")
             if not isinstance(self.autotune_dir, (str, os.PathLike)) or not str(
                     self.autotune_dir):
@@ -334,6 +341,16 @@ class CommunicationOptions:
                     "Argument `autotune_dir` must be None or a directory path. "
                     f"Received: autotune_dir={self.autotune_dir!r}")
             object.__setattr__(self, "autotune_dir", os.fspath(self.autotune_dir))
+
+    @property
+    def may_autotune(self):
+        """Whether the algorithm is "auto", given or as the default
+        (`implementation.default_algorithm`; `implementation="auto"` may
+        still resolve to NCCL on a GPU, whose default is the ring): where
+        `autotune_dir` applies."""
+        implementation = "nccl" if self.implementation == "nccl" else "ring"
+        return (self.algorithm or implementation_lib.default_algorithm(
+            implementation, self.hybrid_threshold_bytes)) == autotune_lib.NAME
 
     def get_config(self):
         config = {field.name: getattr(self, field.name)
