@@ -154,8 +154,7 @@ def default_algorithm(device, **options):
     a worker whose device is `device`: (implementation, algorithm)."""
     communication = tfscale.CommunicationOptions(**options)
     resolved = implementation.resolve(communication.implementation, device)
-    return resolved, communication.algorithm or implementation.default_algorithm(
-        resolved, communication.hybrid_threshold_bytes)
+    return resolved, communication.algorithm_on(resolved)
 
 
 def test_the_default_on_a_gpu_is_one_nccl_all_reduce_per_bucket_over_all_workers():

@@ -359,9 +359,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             accessors.local_devices(self)[0], self.worker_index,
             timeline=communication.timeline is not None)
         _report_at_exit(self._flight_recorder)
-        self._algorithm = communication.algorithm or (
-            collectives.implementation.default_algorithm(
-                self._implementation, communication.hybrid_threshold_bytes))
+        self._algorithm = communication.algorithm_on(self._implementation)
         self._all_reduce = collectives.AllReduce(
             self._topology,
             algorithm=self._algorithm,

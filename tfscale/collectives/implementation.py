@@ -82,11 +82,11 @@ def default_algorithm(implementation, hybrid_threshold_bytes=None):
     hierarchical and 2d, measured by the job in its first steps
     (`autotune`; why it is the default: docs/communication.md). With one
     node, or one worker per node, it is the ring and tries nothing; inside
-    XLA or under op determinism, the cost model's choice. Over NCCL, "ring": one NCCL
-    all-reduce per fused bucket over the world group, inside which NCCL
-    picks its own ring or tree for the topology: the path every NCCL user
-    runs (Horovod, PyTorch DDP, stock MultiWorkerMirroredStrategy with
-    NCCL); "auto" is refused there (`autotune.NCCL_REFUSAL`), and
+    XLA or under op determinism, the cost model's choice. Over NCCL,
+    "ring": one NCCL all-reduce per fused bucket over the world group,
+    inside which NCCL picks its own ring or tree for the topology: the
+    path every NCCL user runs (Horovod, PyTorch DDP, stock
+    MultiWorkerMirroredStrategy with NCCL); "auto" is refused there (`autotune.NCCL_REFUSAL`), and
     tfscale's sub-group algorithms over NCCL put several communicators on
     one GPU stream, which no tfscale test has run on a GPU; they stay
     available by name. A `hybrid_threshold_bytes` asks for "hybrid" on

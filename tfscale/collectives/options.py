@@ -331,9 +331,10 @@ class CommunicationOptions:
             if not self.may_autotune:
                 raise ValueError(
                     "Argument `autotune_dir` only applies to algorithm='auto' (the "
-                    "default, algorithm=None, without hybrid_threshold_bytes); this "
-                    f"is algorithm={self.algorithm!r}, hybrid_threshold_bytes="
-                    f"{self.hybrid_threshold_bytes!r}. Received: autotune_dir="
+                    "default, algorithm=None, without hybrid_threshold_bytes and not "
+                    f"over NCCL); this is algorithm={self.algorithm!r}, "
+                    f"hybrid_threshold_bytes={self.hybrid_threshold_bytes!r}, "
+                    f"implementation={self.implementation!r}. Received: autotune_dir="
                     f"{self.autotune_dir!r}")
             if not isinstance(self.autotune_dir, (str, os.PathLike)) or not str(
                     self.autotune_dir):
@@ -342,15 +343,20 @@ class CommunicationOptions:
                     f"Received: autotune_dir={self.autotune_dir!r}")
             object.__setattr__(self, "autotune_dir", os.fspath(self.autotune_dir))
 
+    def algorithm_on(self, implementation):
+        """The algorithm that runs over `implementation` (resolved: "ring" or
+        "nccl"): `algorithm`, or its default there
+        (`implementation.default_algorithm`)."""
+        return self.algorithm or implementation_lib.default_algorithm(
+            implementation, self.hybrid_threshold_bytes)
+
     @property
     def may_autotune(self):
-        """Whether the algorithm is "auto", given or as the default
-        (`implementation.default_algorithm`; `implementation="auto"` may
-        still resolve to NCCL on a GPU, whose default is the ring): where
-        `autotune_dir` applies."""
-        implementation = "nccl" if self.implementation == "nccl" else "ring"
-        return (self.algorithm or implementation_lib.default_algorithm(
-            implementation, self.hybrid_threshold_bytes)) == autotune_lib.NAME
+        """Whether the algorithm is "auto", given or as the default: where
+        `autotune_dir` applies (`implementation="auto"` may still resolve to
+        NCCL on a GPU, whose default is the ring)."""
+        return self.algorithm_on(
+            "nccl" if self.implementation == "nccl" else "ring") == autotune_lib.NAME
 
     def get_config(self):
         config = {field.name: getattr(self, field.name)
