@@ -92,16 +92,24 @@ def test_project_fits_the_measurements_and_projects_the_paper_hardware(allreduce
     assert "h-d (ms)" in stdout and "PowerSGD r4 (ms)" in stdout
 
 
-def test_train_reports_throughput_efficiency_and_exposed_communication(tmp_path):
+def test_train_reports_throughput_efficiency_and_exposed_communication_per_threshold(
+        tmp_path):
     output = tmp_path / "train.json"
     bench(
         tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
         "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
         "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,ring",
-        "--compression=powersgd", "--powersgd_rank=2", f"--output={output}")
-    stock, row = json.loads(output.read_text())
+        "--compression=powersgd", "--powersgd_rank=2",
+        "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=360)
+    stock, row, small = json.loads(output.read_text())
     assert stock["config"] == "stock" and 0 < stock["exposed_communication_seconds"]
-    assert row["config"] == "ring+powersgd" and row["precision"] == "float32"
+    assert stock["fusion_threshold_bytes"] is None and "gradient_buckets" not in stock
+    # Each tfscale configuration ran at each threshold, its buffers cut there.
+    assert (row["config"], small["config"]) == ("ring+powersgd@32MiB", "ring+powersgd@64KiB")
+    assert (row["fusion_threshold_bytes"], small["fusion_threshold_bytes"]) == (
+        32 * 1024 * 1024, 65536)
+    assert row["gradient_buckets"] == 1 < small["gradient_buckets"], (row, small)
+    assert row["precision"] == "float32"
     assert row["powersgd_rank"] == 2 and row["powersgd_start_step"] == 0
     # PowerSGD ran: compressed tensors, fewer bytes, error feedback kept.
     powersgd = row["powersgd"]
@@ -164,6 +172,12 @@ def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
     process = bench_fails(tmp_path, "allreduce", "--compression=powersgd")
     assert ("--compression values must be none or one of bfloat16, float16. "
             "Received: --compression=powersgd") in process.stderr
+    process = bench_fails(tmp_path, "train", "--fusion_thresholds=8MiB")
+    assert ("tfscale-bench train: --fusion_thresholds takes byte counts >= 0 (e.g. "
+            "8388608,33554432). Received: '8MiB'") in process.stderr
+    process = bench_fails(tmp_path, "train", "--fusion_thresholds=65536",
+                          "--fusion_threshold_bytes=65536")
+    assert "Give --fusion_thresholds (sizes to compare) or " in process.stderr
 
 
 def test_gpucheck_without_gpus_says_so_in_one_line_and_starts_no_worker(tmp_path):

@@ -70,18 +70,26 @@ def define_flags():
         "powersgd_bucket_bytes", None, "--compression=powersgd: gradient bytes "
         "per bucket of matrices compressed together (PowerSGDOptions."
         "bucket_bytes); unset: one bucket.", lower_bound=0)
+    flags.DEFINE_list(
+        "fusion_thresholds", None, "Compare tfscale at these fusion buffer "
+        "sizes in bytes (e.g. 8388608,33554432): each tfscale configuration runs "
+        "once per size, named <config>@<size> (2d@8MiB); unset: "
+        "--fusion_threshold_bytes alone.")
     flags.DEFINE_string("output", None, "Write the rows as JSON here.")
     flags.DEFINE_bool("plot", False, "With --output: also write a PNG of "
                       "images/s per configuration next to it.")
 
 
-def summarize(single, launches, num_workers, per_worker_batch):
+def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
     """Rows per (configuration, precision) from the worker outputs.
 
     Args:
         single: the `single` launch's outputs (one worker).
         launches: `{name: outputs}` of the N-worker launches.
+        thresholds: `{name: fusion threshold in bytes}` of the tfscale
+            launches (stock has none).
     """
+    thresholds = thresholds or {}
     t1 = {r["precision"]: statistics.median(r["step_seconds"])
           for r in single[0]["runs"] if r["phase"] == "compute"}
     rows = []
@@ -100,6 +108,7 @@ def summarize(single, launches, num_workers, per_worker_batch):
             rows.append({
                 "config": name, "precision": precision, "num_workers": num_workers,
                 "per_worker_batch": per_worker_batch,
+                "fusion_threshold_bytes": thresholds.get(name),
                 "step_seconds": step, "step_seconds_per_step": per_step,
                 "compute_seconds": t_compute,
                 "step_minus_compute_seconds": step - t_compute,
@@ -110,6 +119,9 @@ def summarize(single, launches, num_workers, per_worker_batch):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
+            buckets = _run(outputs[0], precision, "distributed", "gradient_buckets")
+            if buckets:
+                rows[-1]["gradient_buckets"] = buckets
             powersgd = _run(outputs[0], precision, "distributed", "powersgd")
             if powersgd:
                 rows[-1]["powersgd"] = powersgd
@@ -171,13 +183,13 @@ def main():
     from tfscale import collectives
 
     configs = cluster.configs(more_compressions=(collectives.powersgd.NAME,))
+    thresholds = fusion_thresholds()
     spec = {
         "command": "train", "model": FLAGS.model,
         "image_size": FLAGS.image_size, "fc_units": FLAGS.fc_units,
         "per_worker_batch": FLAGS.per_worker_batch,
         "steps": FLAGS.steps, "warmup_steps": FLAGS.warmup_steps,
         "precisions": FLAGS.precisions, "local_size": FLAGS.local_size,
-        "fusion_threshold_bytes": FLAGS.fusion_threshold_bytes,
         "collective_timeout": FLAGS.collective_timeout,
         "powersgd_rank": FLAGS.powersgd_rank,
         "powersgd_start_step": FLAGS.powersgd_start_step,
@@ -187,18 +199,22 @@ def main():
     try:
         single = cluster.launch_workers(dict(spec, kind="single", name="single"), work_dir,
                                         "single", num_workers=1, emulate=False)
-        launches = {}
-        for name, algorithm, compression in configs:
+        launches, launch_thresholds = {}, {}
+        for name, algorithm, compression, threshold in _launches(configs, thresholds):
             kind = cluster.STOCK if algorithm == cluster.STOCK else "tfscale"
             launches[name] = cluster.launch_workers(
                 dict(spec, kind=kind, name=name, algorithm=algorithm,
-                     compression=compression), work_dir, name.replace("+", "-"))
+                     compression=compression, fusion_threshold_bytes=threshold),
+                work_dir, name.replace("+", "-").replace("@", "-"))
+            if threshold is not None:
+                launch_thresholds[name] = threshold
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    rows = summarize(single, launches, FLAGS.num_workers, FLAGS.per_worker_batch)
+    rows = summarize(single, launches, FLAGS.num_workers, FLAGS.per_worker_batch,
+                     launch_thresholds)
     ctx = cluster.context()
     for row in rows:
-        if row["config"].endswith("+" + collectives.powersgd.NAME):
+        if "powersgd" in row:
             row.update(powersgd_rank=FLAGS.powersgd_rank,
                        powersgd_start_step=FLAGS.powersgd_start_step,
                        powersgd_bucket_bytes=FLAGS.powersgd_bucket_bytes)
@@ -241,6 +257,47 @@ def main():
             _plot(rows, path, f"{FLAGS.model} training\n{stats.describe_cluster(ctx)}")
             print(f"tfscale-bench: wrote {path}")
     return rows
+
+
+def fusion_thresholds():
+    """The fusion thresholds to compare, in bytes: --fusion_thresholds, or
+    --fusion_threshold_bytes alone.
+
+    Raises:
+        ValueError: naming the flag, for a value that is not a byte count, or
+            for both flags given.
+    """
+    if FLAGS.fusion_thresholds is None:
+        return [FLAGS.fusion_threshold_bytes]
+    if FLAGS["fusion_threshold_bytes"].present:
+        raise ValueError("Give --fusion_thresholds (sizes to compare) or "
+                         "--fusion_threshold_bytes (one size), not both.")
+    sizes = []
+    for value in FLAGS.fusion_thresholds:
+        if not value.isdigit():
+            raise ValueError("--fusion_thresholds takes byte counts >= 0 (e.g. "
+                             f"8388608,33554432). Received: {value!r}")
+        sizes.append(int(value))
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise ValueError("--fusion_thresholds needs distinct sizes. Received: "
+                         f"--fusion_thresholds={','.join(FLAGS.fusion_thresholds)}")
+    return sizes
+
+
+def _launches(configs, thresholds):
+    """`[(name, algorithm, compression, threshold)]`: stock once (TF packs its
+    own), each tfscale configuration at each threshold, named `<config>@<size>`
+    when there is more than one."""
+    out = []
+    for name, algorithm, compression in configs:
+        if algorithm == cluster.STOCK:
+            out.append((name, algorithm, compression, None))
+            continue
+        for threshold in thresholds:
+            label = name if len(thresholds) == 1 else (
+                f"{name}@{stats.human_bytes(threshold).replace(' ', '')}")
+            out.append((label, algorithm, compression, threshold))
+    return out
 
 
 def _choices_text(choices):

@@ -104,6 +104,10 @@ def _fit(spec, strategy):
     timed = {"step_seconds": timer.step_seconds[warmup:]}
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
+    if isinstance(strategy, tfscale.Strategy):
+        # How many fused buffers the gradients make (--fusion_thresholds).
+        timed["gradient_buckets"] = len(strategy.all_reduce_plan(
+            [v.value for v in model.trainable_variables]))
     if getattr(strategy, "powersgd", None) is not None:
         timed["powersgd"] = _powersgd_report(strategy, model)
     if autotune is not None:
