@@ -110,12 +110,12 @@ def _flat(weights):
 
 
 @pytest.mark.multiworker
-def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_match_the_ring(
+def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_choice_and_match_the_ring(
         tmp_path):
     autotune_dir = tmp_path / "model_dir"
     run = multiworker.run_workers(
         "autotune_fit.py", 4, tmp_path,
-        args=[f"--autotune_dir={autotune_dir}", "--steps=12"], timeout=300)
+        args=[f"--autotune_dir={autotune_dir}", "--steps=21"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
     names = ("ring", "default", "restarted", "default+powersgd")
@@ -128,9 +128,10 @@ def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_matc
         relative = np.max(np.abs(_flat(results[0][name]["weights"]) - ring))
         assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
 
-    # The gradients' plan: 4 buckets; 3 candidates, 9 trial steps, decided.
+    # The gradients' plan: 1 bucket at 1024 bytes, 2 at 256; 3 candidates;
+    # 18 trial steps, decided.
     def gradients(result):
-        (plan,) = [p for p in result["autotune"] if len(p["seconds"]) == 4]
+        (plan,) = [p for p in result["autotune"] if p["fusion_thresholds"] == [1024, 256]]
         return plan
 
     # The default (algorithm=None) on 2 nodes is auto, as is the restart's
@@ -139,11 +140,20 @@ def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_matc
     tuned = [gradients(r["default"]) for r in results]
     assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
         "ring", "hierarchical", "2d"}
-    assert tuned[0]["steps"] == 12
+    assert tuned[0]["steps"] == 21
     for plan in tuned:
         assert plan["choices"] == tuned[0]["choices"]  # one choice everywhere
-        # Each candidate timed on each bucket in the timed rounds.
+        assert plan["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
+        # Each candidate timed on each bucket, and the call at each
+        # threshold with each candidate, in the timed rounds.
         assert np.all(np.asarray(plan["seconds"]) > 0), plan["seconds"]
+        assert np.all(np.asarray(plan["span_seconds"]) > 0), plan["span_seconds"]
+    # The call kept the threshold whose best candidate had the least span,
+    # per round the least over the workers, summed over the rounds.
+    spans = np.min([plan["span_seconds"] for plan in tuned], axis=0).sum(axis=2)
+    assert tuned[0]["fusion_threshold_bytes"] == [1024, 256][
+        int(np.argmin(spans.min(axis=1)))], spans
+    assert len(tuned[0]["choices"]) == {1024: 1, 256: 2}[tuned[0]["fusion_threshold_bytes"]]
     # Each bucket kept its fastest candidate: per round the least time over
     # the workers (about the worker ready last), summed over the rounds.
     least = np.min([plan["seconds"] for plan in tuned], axis=0).sum(axis=2)
@@ -151,12 +161,13 @@ def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_matc
                                    for i in np.argmin(least, axis=1)], least
     # The chief stored it; the restarted job took it and tried nothing.
     stored = run.results[0]["stored"]
-    (entry,) = [p for p in stored["plans"] if len(p["choices"]) == 4]
-    assert entry["choices"] == tuned[0]["choices"]
+    (entry,) = [p for p in stored["plans"] if "fusion_threshold_bytes" in p]
+    assert entry["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
     for result in results:
         restarted = gradients(result["restarted"])
         assert restarted["choices"] == tuned[0]["choices"]
-        assert not np.any(restarted["seconds"])
+        assert restarted["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
+        assert not np.any(restarted["seconds"]) and not np.any(restarted["span_seconds"])
     # PowerSGD under the default: the all-reduces of its compressed steps
     # (from step 2 on, 10 calls each: the factors' and the uncompressed
     # biases') tried the candidates and chose, alike on every worker.
@@ -170,8 +181,10 @@ def test_four_workers_by_default_try_each_candidate_agree_on_one_choice_and_matc
         assert [p["choices"] for p in plans] == [p["choices"] for p in powersgd[0]]
     assert np.all(np.isfinite(_flat(results[0]["default+powersgd"]["weights"])))
     chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
-    assert any("tfscale autotune: " in l and "chose after 9 trial steps" in l
+    assert any("tfscale autotune: " in l and "chose after 18 trial steps" in l
                for l in chief)
+    assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
+               "bytes (2 bucket(s)) take turns" in l for l in chief)
     assert any("auto: the choice stored in" in l for l in chief)
     assert not [l for l in run.output.splitlines()
                 if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]

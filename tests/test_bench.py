@@ -149,7 +149,7 @@ def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
             assert len(times) == 2 and min(times) > 0, plan
             assert times[plan["candidates"].index(algorithm)] <= min(times) + 0.1, plan
         assert f"# auto float32: {plan['call']}: " in stdout
-    assert "(auto: after 10 more for its trials and decision)" in stdout
+    assert "(auto: after 19 more for its trials and decision)" in stdout
 
 
 def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):

@@ -139,15 +139,19 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
 
 def _least_trials(reports):
     """The chief's autotune report with each (bucket, candidate)'s trial
-    milliseconds as every worker chose by: per timed round the least over
-    the workers, averaged over the rounds."""
+    milliseconds, and each (threshold, candidate)'s span, as every worker
+    chose by: per timed round the least over the workers, averaged over
+    the rounds."""
     merged = []
     for plans in zip(*reports, strict=True):  # every worker traced its plans alike
         if len({p["call"] for p in plans}) != 1:
             raise RuntimeError(f"Workers report different all-reduces: {plans}")
         least = np.min([p["round_milliseconds"] for p in plans], axis=0)
-        merged.append({k: v for k, v in plans[0].items() if k != "round_milliseconds"}
-                      | {"trial_milliseconds": least.mean(axis=2).round(1).tolist()})
+        spans = np.min([p["span_round_milliseconds"] for p in plans], axis=0)
+        merged.append({k: v for k, v in plans[0].items()
+                       if k not in ("round_milliseconds", "span_round_milliseconds")}
+                      | {"trial_milliseconds": least.mean(axis=2).round(1).tolist(),
+                         "span_milliseconds": spans.mean(axis=2).round(1).tolist()})
     return merged
 
 
@@ -247,7 +251,16 @@ def main():
                   f"{p['wire_bytes'] / 1e6:.2f} MB per step "
                   f"({p['gradient_bytes'] / p['wire_bytes']:.1f}x less)")
         for plan in row.get("autotune", []):
-            print(f"# {row['config']} {row['precision']}: {plan['call']}: "
+            threshold = ""
+            if len(plan["fusion_thresholds"]) > 1:
+                threshold = "fusion threshold " + (
+                    stats.human_bytes(plan["fusion_threshold_bytes"])
+                    if plan["fusion_threshold_bytes"] is not None else "not decided") + (
+                    " (of " + ", ".join(stats.human_bytes(t) for t in plan[
+                        "fusion_thresholds"]) + "; spans " + "; ".join(
+                        ", ".join(f"{ms:.0f}" for ms in spans) + " ms"
+                        for spans in plan["span_milliseconds"]) + "): ")
+            print(f"# {row['config']} {row['precision']}: {plan['call']}: {threshold}"
                   f"{_choices_text(plan['choices'])} (of {', '.join(plan['candidates'])})")
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)

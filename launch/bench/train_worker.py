@@ -117,11 +117,16 @@ def _fit(spec, strategy):
 
 def _autotune_report(autotune):
     """Each all-reduce's candidates, its choice per bucket, and each
-    (bucket, candidate, timed round)'s trial milliseconds on this worker
-    (train.py merges the workers' as they chose by)."""
+    (bucket, candidate, timed round)'s trial milliseconds on this worker;
+    its fusion thresholds, the chosen one and each (threshold, candidate,
+    round)'s span (train.py merges the workers' as they chose by)."""
     return [{"call": key.split(";")[0], "candidates": plan["candidates"],
              "choices": plan["choices"],
-             "round_milliseconds": (np.asarray(plan["seconds"]) * 1e3).round(1).tolist()}
+             "fusion_thresholds": plan["fusion_thresholds"],
+             "fusion_threshold_bytes": plan["fusion_threshold_bytes"],
+             "round_milliseconds": (np.asarray(plan["seconds"]) * 1e3).round(1).tolist(),
+             "span_round_milliseconds": (
+                 np.asarray(plan["span_seconds"]) * 1e3).round(1).tolist()}
             for key, plan in autotune.choices().items()]
 
 

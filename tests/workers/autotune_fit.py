@@ -5,8 +5,9 @@ built one after another as a user would: `ring`; the default algorithm
 (None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
 stored by the chief); `algorithm="auto"` with the same directory, as a
 restarted job (the chief finds the choice: no trials); the default with
-PowerSGD. The default's first training runs 3 steps per execution. Reports
-each one's weights, its autotuner's state and what the chief stored.
+PowerSGD. The default's first training runs 3 steps per execution, long
+enough to try both fusion thresholds. Reports each one's weights, its
+autotuner's state and what the chief stored.
 
 Flags: --autotune_dir, --steps.
 """
@@ -25,12 +26,14 @@ from report import report
 from sharded_data import round_robin
 
 flags.DEFINE_string("autotune_dir", None, "Where the chief stores the choice.")
-flags.DEFINE_integer("steps", 12, "Training steps per training.")
+flags.DEFINE_integer("steps", 21, "Training steps per training (the default's "
+                     "first: its trials and decision, then its choice).")
 FLAGS = flags.FLAGS
 
 GLOBAL_BATCH = 12
-# A bucket per gradient: 4 buckets, each tuned.
-FUSION_BYTES = 0
+# The gradients, last layer first, take 16, 256, 64 and 512 bytes: one
+# bucket at 1024 bytes, two at a quarter of it (auto tries both).
+FUSION_BYTES = 1024
 
 
 def dataset_fn(input_context):
@@ -40,9 +43,10 @@ def dataset_fn(input_context):
     return round_robin(x, y, input_context, GLOBAL_BATCH)
 
 
-def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None):
+def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None,
+          steps=None, fusion_bytes=FUSION_BYTES):
     strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
-        algorithm=algorithm, fusion_threshold_bytes=FUSION_BYTES, local_size=2,
+        algorithm=algorithm, fusion_threshold_bytes=fusion_bytes, local_size=2,
         timeout_seconds=60, autotune_dir=autotune_dir,
         compression=powersgd and "powersgd", powersgd=powersgd))
     with strategy.scope():
@@ -57,7 +61,7 @@ def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps_per_execution)
     data = strategy.distribute_datasets_from_function(dataset_fn)
-    model.fit(data, epochs=1, steps_per_epoch=FLAGS.steps, verbose=0)
+    model.fit(data, epochs=1, steps_per_epoch=steps or FLAGS.steps, verbose=0)
     result = {"weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
               "algorithm": strategy.communication_algorithm}
     if strategy.autotune is not None:
@@ -78,9 +82,11 @@ def main(argv):
             stored = json.load(f)
     _, results["restarted"] = train("auto", FLAGS.autotune_dir)
     # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
-    # all-reduces are tuned too, each its own call site.
+    # all-reduces are tuned too, each its own call site (a bucket per
+    # tensor: one threshold, so 10 compressed steps of 12 decide).
     _, results["default+powersgd"] = train(
-        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2))
+        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=12,
+        fusion_bytes=0)
     report({"worker_index": strategy.worker_index, "results": results,
             "stored": stored})
 

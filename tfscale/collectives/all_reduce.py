@@ -9,6 +9,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfscale._private import accessors
+from tfscale._private import graph_order
 from tfscale._private import tf_collectives
 from tfscale.collectives import algorithms
 from tfscale.collectives import autotune as autotune_lib
@@ -16,6 +17,7 @@ from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.collectives import fusion
 from tfscale.collectives import implementation as implementation_lib
+from tfscale.collectives import timeline_stamps
 from tfscale.collectives import topology as topology_lib
 from tfscale.collectives.plan import ALGORITHMS
 from tfscale.collectives.plan import auto_plan
@@ -104,9 +106,6 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
     """
     num_workers = groups.world.size
 
-    def max_all_reduce(value):
-        return groups.world.all_reduce(value, merge_op="Max")
-
     def span(name, after, **fields):  # a span of the timeline, if it is on
         return note(span=name, after=after, **fields) if note else contextlib.nullcontext()
 
@@ -117,34 +116,47 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
         with span(f"bucket {number}", inputs, lane=f"bucket {number}", bucket=number,
                   buckets=len(buckets), algorithm=bucket.algorithm,
                   indices=list(bucket.indices)):
-            with span("fuse", inputs):
-                buffer, shapes = fusion.pack(inputs)
-            with span("compress", buffer) if compressing else contextlib.nullcontext():
-                wire, context = compression_lib.compress(
-                    buffer, compressing, num_workers, max_all_reduce)
-            with span(bucket.algorithm, wire):
-                if bucket.algorithm == autotune_lib.NAME:
-                    reduced = tuning_call.run(number, wire, {
+            if bucket.algorithm == autotune_lib.NAME:
+                # Each candidate fuses, reduces and unpacks in its own branch
+                # (the timeline's stage spans cannot cross into a branch).
+                with span(bucket.algorithm, inputs):
+                    pieces = tuning_call.run(number, inputs, {
                         algorithm: functools.partial(
-                            _run_algorithm, algorithm, wire, groups, num_chunks, note)
+                            _reduce_bucket, inputs, algorithm, num_chunks, groups,
+                            compressing, num_workers, note=note)
                         for algorithm, num_chunks in bucket.candidates})
-                else:
-                    reduced = algorithms.BUFFER_ALGORITHMS[bucket.algorithm](
-                        wire, groups, bucket.num_chunks)
-            with span("decompress", reduced) if compressing else contextlib.nullcontext():
-                reduced = compression_lib.decompress(reduced, context)
-            with span("unpack", reduced):
-                pieces = fusion.unpack(reduced, shapes)
+            else:
+                pieces = _reduce_bucket(inputs, bucket.algorithm, bucket.num_chunks,
+                                        groups, compressing, num_workers, span=span)
         for i, tensor in zip(bucket.indices, pieces):
             results[i] = tensor
     return results
 
 
-def _run_algorithm(algorithm, buffer, groups, num_chunks, note):
-    """One candidate of an "auto" bucket, its collectives described as
-    that algorithm's."""
-    with note(algorithm=algorithm) if note else contextlib.nullcontext():
-        return algorithms.BUFFER_ALGORITHMS[algorithm](buffer, groups, num_chunks)
+def _reduce_bucket(inputs, algorithm, num_chunks, groups, compressing, num_workers,
+                   span=None, note=None):
+    """The sums of one bucket's `inputs`: fused, compressed (`compressing`),
+    all-reduced by `algorithm`, unpacked. `span`: the timeline's stage
+    spans; `note` (an "auto" candidate): its collectives described as
+    `algorithm`'s."""
+    def stage(name, after):
+        return span(name, after) if span else contextlib.nullcontext()
+
+    def max_all_reduce(value):
+        return groups.world.all_reduce(value, merge_op="Max")
+
+    with stage("fuse", inputs):
+        buffer, shapes = fusion.pack(inputs)
+    with stage("compress", buffer) if compressing else contextlib.nullcontext():
+        wire, context = compression_lib.compress(
+            buffer, compressing, num_workers, max_all_reduce)
+    with stage(algorithm, wire), (note(algorithm=algorithm) if note
+                                  else contextlib.nullcontext()):
+        reduced = algorithms.BUFFER_ALGORITHMS[algorithm](wire, groups, num_chunks)
+    with stage("decompress", reduced) if compressing else contextlib.nullcontext():
+        reduced = compression_lib.decompress(reduced, context)
+    with stage("unpack", reduced):
+        return fusion.unpack(reduced, shapes)
 
 
 class AllReduce:
@@ -250,25 +262,52 @@ class AllReduce:
             self._groups[id(world)] = (world, groups)
         return self._groups[id(world)][1]
 
+    def threshold_plans(self, tensors):
+        """"auto": `(thresholds, plans)`, the plan of `tensors` at each
+        fusion threshold `autotune` tries that cuts them differently, the
+        given threshold's first, its candidates' order shared by all. One
+        plan where nothing is tried or a size is known only at run time."""
+        buckets = self.plan(tensors)
+        if not any(b.candidates for b in buckets) or not all(b.candidates for b in buckets):
+            return (self.fusion_threshold_bytes,), [buckets]
+        backward = list(reversed(tensors))
+        sizes, dtypes = [fusion.size_bytes(t) for t in backward], [t.dtype for t in backward]
+        order = [a for a, _ in buckets[0].candidates]
+        thresholds, plans, cuts = [], [], set()
+        for threshold in autotune_lib.fusion_thresholds(self.fusion_threshold_bytes):
+            plan_ = auto_plan(sizes, dtypes, self.topology, threshold, self.compression,
+                              self.cost_model, order=order)
+            cut = tuple(b.indices for b in plan_)
+            if cut not in cuts:
+                cuts.add(cut)
+                thresholds.append(threshold)
+                plans.append(plan_)
+        return tuple(thresholds), plans
+
     def __call__(self, tensors, world):
         """Sums `tensors` (dense, forward order) over all workers."""
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
+        plans = [buckets]
         tuning, untried = None, False
         if any(b.candidates for b in buckets):
             # No trials inside XLA (no tf.timestamp), nor under op
             # determinism (a choice by timings would differ between runs).
             untried = accessors.in_xla_context() or accessors.op_determinism_enabled()
             if not untried:
-                names = next(b for b in buckets if b.candidates).candidates
+                thresholds, plans = self.threshold_plans(tensors)
+                every = [b for p in plans for b in p]
                 tuning = self.autotuner.tuned_plan(
-                    self.autotuner.call_site(autotune_lib.plan_key(self.topology, buckets)),
-                    tuple(a for a, _ in names),
-                    [None if b.candidates else b.algorithm for b in buckets])
+                    self.autotuner.call_site(
+                        autotune_lib.plan_key(self.topology, every, thresholds)),
+                    tuple(a for a, _ in buckets[0].candidates),
+                    [None if b.candidates else b.algorithm for b in every],
+                    thresholds, [t for t, p in enumerate(plans) for _ in p])
                 untried = tuning is None  # beyond what the tuner holds
             if untried:
                 buckets = [self._prior_choice(b) for b in buckets]
-        self._log(buckets, tuning, untried)
+                plans = [buckets]
+        self._log(buckets, tuning, untried, plans)
         last = len(tensors) - 1
 
         def note(indices=None, **fields):  # indices in the order given to us
@@ -278,11 +317,19 @@ class AllReduce:
 
         def reduce_fn(backward):
             groups = self.groups(world)
-            return fused_all_reduce(
-                backward, groups, buckets, self.compression,
-                note=note if self.note else None,
-                tuning_call=tuning and self.autotuner.begin(tuning, groups.world),
-            )
+            call = tuning and self.autotuner.begin(tuning, groups.world)
+            if len(plans) == 1:
+                return fused_all_reduce(
+                    backward, groups, buckets, self.compression,
+                    note=note if self.note else None, tuning_call=call)
+            # Several thresholds: each plan traced, a step runs one.
+            first_ready = graph_order.unordered(
+                timeline_stamps.TimelineStamps.stamp([backward[0]]))
+            return call.select(first_ready, [
+                fused_all_reduce(backward, groups, plan_, self.compression,
+                                 note=note if self.note else None,
+                                 tuning_call=call.for_threshold(number))
+                for number, plan_ in enumerate(plans)])
 
         if self.exposed_communication_seconds is None:
             return list(reversed(reduce_fn(backward)))
@@ -299,7 +346,7 @@ class AllReduce:
         return dataclasses.replace(bucket, algorithm=algorithm, num_chunks=num_chunks,
                                    candidates=())
 
-    def _log(self, buckets, tuning=None, untried=False):
+    def _log(self, buckets, tuning=None, untried=False, plans=()):
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
         if not self.log_plans or key in self._logged:
             return
@@ -312,6 +359,18 @@ class AllReduce:
                          "(given)")
         elif tuning is not None and tuning.stored is not None:
             threshold = ", auto: the choice stored in " + str(self.autotuner.path())
+            if len(plans) > 1:
+                threshold += (f", fusion threshold "
+                              f"{tuning.thresholds[tuning.stored_threshold]:,} bytes")
+        elif tuning is not None and len(plans) > 1:
+            threshold = (
+                ", auto: the plans at fusion thresholds " + " and ".join(
+                    f"{t:,} bytes ({len(p)} bucket(s))" for t, p in zip(tuning.thresholds, plans))
+                + f" take turns for the first {tuning.trial_steps} calls, each bucket "
+                f"trying {', '.join(tuning.candidates)} in turn (1 warm-up + "
+                f"{autotune_lib.ROUNDS} timed each); then the call keeps the threshold "
+                "with the least span, each bucket its fastest; the plan at the given "
+                "threshold")
         elif tuning is not None:
             threshold = (f", auto: each bucket tries {', '.join(tuning.candidates)} in "
                          f"turn for its first {tuning.trial_steps} calls (1 warm-up + "
@@ -330,12 +389,15 @@ class AllReduce:
             self.algorithm, f"{self.fusion_threshold_bytes:,}", self.compression,
             threshold, ", through NCCL" if self.implementation == "nccl" else "",
             len(buckets), describe_plan(buckets if tuning is None or tuning.stored is None
-                                        else self._stored_choices(buckets, tuning)),
+                                        else self._stored_choices(plans, tuning)),
         )
 
     @staticmethod
-    def _stored_choices(buckets, tuning):
-        """The "auto" buckets as the stored choice of `tuning` makes them."""
+    def _stored_choices(plans, tuning):
+        """The buckets of the stored threshold's plan as the stored choice of
+        `tuning` makes them."""
+        stored = [tuning.stored[r] for r in tuning.buckets_of(tuning.stored_threshold)]
         return [dataclasses.replace(b, algorithm=tuning.candidates[c], candidates=(),
                                     num_chunks=dict(b.candidates)[tuning.candidates[c]])
-                if b.candidates else b for b, c in zip(buckets, tuning.stored)]
+                if b.candidates else b
+                for b, c in zip(plans[tuning.stored_threshold], stored)]

@@ -8,21 +8,37 @@ bytes all-reduced per second of the running job), tfscale measures the
 running job: during its first steps each gradient bucket runs every
 candidate algorithm in turn on its real data, and keeps the fastest.
 
+- Fusion thresholds (`fusion_thresholds`): the plan at the given
+  `fusion_threshold_bytes` and at a quarter of it (8 and 32 MiB by
+  default), where they cut the gradients differently. Smaller buffers
+  start sooner during backprop and cost more ops (BENCHMARKS.md sections
+  4 and 12: on the emulated 2 x 2 cluster ResNet-50's step was 0.90 x
+  under auto and 0.94 x under 2d with 8 MiB buffers); Horovod's autotuner
+  tunes its fusion threshold alike (docs/autotune.rst).
 - Candidates (`candidates`): the algorithms that differ on the topology,
   among ring, hierarchical and 2d (halving-doubling is left out: each of
   its steps is a TensorFlow op of its own, the slowest here;
   BENCHMARKS.md section 11). One node, or one worker per node: only the
   ring, and nothing to try. The cost model orders them (its fastest
   prediction for the plan first) and breaks ties.
-- Trials: step s < C * (ROUNDS + 1) of a plan runs candidate s mod C in
-  every bucket; the first round warms up (a group's first collective
-  resolves it), each bucket's time from its buffer ready to its result in
-  the other rounds is kept per candidate and round. All buckets run the same
-  candidate in a step, so each bucket is timed beside the same traffic.
+- Trials: with K thresholds and C candidates, step s < K * C * (ROUNDS + 1)
+  of a call runs the plan of threshold s mod K, every bucket of it with
+  candidate (s // K) mod C (the other thresholds' buckets skip); each
+  threshold's first round warms up (a group's first collective resolves
+  it). In the other rounds each bucket's time from its tensors ready to
+  its result is kept per candidate and round, and so is the call's span,
+  from its first gradient ready to its last result, per threshold,
+  candidate and round: what a threshold changes is how much of the
+  all-reduce backprop hides, which no single bucket shows. All buckets run
+  the same candidate in a step, so each bucket is timed beside the same
+  traffic.
 - Decision, in the first step after the trials, on every worker at once:
   one all-reduce takes each (bucket, candidate, round) time's minimum over
   the workers, and each bucket takes the candidate with the least sum over
-  the rounds (the first in the cost model's order on a tie). In one round
+  the rounds (the first in the cost model's order on a tie), and the call
+  the threshold whose best candidate had the least span (the same least
+  over the workers, summed over the rounds; the given threshold on a
+  tie). In one round
   the minimum is about the worker whose buffer was ready last: no
   algorithm can start before it, so its time is mostly the algorithm's
   own, where an earlier worker's also counts its wait for the others (the
@@ -43,9 +59,11 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   runs must repeat each other bit for bit, which a choice by timings would
   not): no trials, each bucket takes the cost model's fastest prediction.
 
-The algorithm of a bucket is a `tf.switch_case` over the candidates: the
-graph holds each candidate's collectives (every worker traces the same
-branches, so their keys agree), a step runs one.
+The algorithm of a bucket is a `tf.switch_case` over the candidates (and,
+with several thresholds, a branch that skips it): the graph holds each
+candidate's fusion and collectives (every worker traces the same
+branches, so their keys agree), a step runs one; each tensor's result is
+then taken from the plan of the step's threshold.
 """
 
 import dataclasses
@@ -75,16 +93,26 @@ NCCL_REFUSAL = ("algorithm='auto' tries TensorFlow-ring algorithms; over NCCL us
                 "implementation='ring' to tune over TensorFlow's ring.")
 # The algorithms "auto" chooses from, where the topology makes them differ.
 CHOICES = ("ring", "hierarchical", "2d")
+# The fusion thresholds it tries: the given one divided by each.
+FUSION_DIVISORS = (1, 4)
 
 
-def trial_steps(num_candidates):
-    """Steps a plan with `num_candidates` candidates spends on its trials."""
-    return num_candidates * (ROUNDS + 1)
+def trial_steps(num_candidates, num_thresholds=1):
+    """Steps a call with `num_candidates` candidates and `num_thresholds`
+    fusion thresholds spends on its trials."""
+    return num_thresholds * num_candidates * (ROUNDS + 1)
 
 
-# Steps before every plan has run its trials (at most all of CHOICES) and
-# the step that decides: from this step index on, each runs its choice alone.
-DECIDED_BY_STEP = trial_steps(len(CHOICES)) + 1
+# Steps before every plan has run its trials (at most all of CHOICES at
+# each threshold) and the step that decides: from this step index on, each
+# runs its choice alone.
+DECIDED_BY_STEP = trial_steps(len(CHOICES), len(FUSION_DIVISORS)) + 1
+
+
+def fusion_thresholds(given):
+    """The fusion thresholds "auto" tries for `given` bytes, the given first
+    (`AllReduce` drops those that cut the tensors as another does)."""
+    return tuple(dict.fromkeys(given // d for d in FUSION_DIVISORS))
 
 
 def candidates(topology, supported):
@@ -107,10 +135,20 @@ class TunedPlan:
     number: int  # its row in `AutoTuner.steps`
     offset: int  # its first row in `AutoTuner.seconds` and `chosen`
     candidates: tuple
-    # Per bucket: None where it tries the candidates, else its one algorithm
-    # (a buffer whose size is known only at run time goes by ring).
+    # Per bucket (of every threshold's plan, one after another): None where
+    # it tries the candidates, else its one algorithm (a buffer whose size
+    # is known only at run time goes by ring).
     fixed: tuple
     stored: list | None  # the chief's stored choice (indices), if any
+    # The fusion thresholds tried (bytes; (None,): one plan, not tried) and
+    # each bucket's threshold (its index in `thresholds`).
+    thresholds: tuple = (None,)
+    bucket_thresholds: tuple | None = None
+    stored_threshold: int = 0  # with `stored`: the stored threshold's index
+
+    def __post_init__(self):
+        if self.bucket_thresholds is None:
+            self.bucket_thresholds = (0,) * len(self.fixed)
 
     @property
     def num_buckets(self):
@@ -118,7 +156,11 @@ class TunedPlan:
 
     @property
     def trial_steps(self):
-        return trial_steps(len(self.candidates))
+        return trial_steps(len(self.candidates), len(self.thresholds))
+
+    def buckets_of(self, threshold):
+        """The rows (relative to `offset`) of threshold number `threshold`."""
+        return [b for b, t in enumerate(self.bucket_thresholds) if t == threshold]
 
 
 class AutoTuner:
@@ -149,6 +191,13 @@ class AutoTuner:
             # Calls of each plan so far.
             self.steps = tf.Variable(tf.zeros([MAX_PLANS], tf.int64),
                                      trainable=False, name="autotune_steps")
+            # Each plan's chosen threshold (its index in the plan's list).
+            self.threshold = tf.Variable(tf.zeros([MAX_PLANS], tf.int32),
+                                         trainable=False, name="autotune_threshold")
+            # Seconds of each plan's span per threshold, candidate and round.
+            self.span_seconds = tf.Variable(
+                tf.zeros([MAX_PLANS, len(FUSION_DIVISORS), len(CHOICES), ROUNDS],
+                         tf.float32), trainable=False, name="autotune_span_seconds")
         # The chief's stored choices by key; what it decides is added.
         self._stored = self._load() if is_chief else {}
 
@@ -188,7 +237,8 @@ class AutoTuner:
         self._calls[outermost] = ordinal + 1
         return f"{outermost.name} #{ordinal}; {buckets_key}"
 
-    def tuned_plan(self, key, candidates, fixed):
+    def tuned_plan(self, key, candidates, fixed, thresholds=(None,),
+                   bucket_thresholds=None):
         """The `TunedPlan` of `key` (`call_site`), made on first use; None
         (with a warning: the call takes the cost model's choice) beyond
         `MAX_PLANS` calls or `MAX_BUCKETS` buckets.
@@ -197,6 +247,9 @@ class AutoTuner:
             key: the call's key.
             candidates: the algorithms tried, in the cost model's order.
             fixed: per bucket, None if it tries them, else its algorithm.
+            thresholds: the fusion thresholds tried, the given one first.
+            bucket_thresholds: each bucket's index in `thresholds`; None:
+                all 0.
         """
         if key not in self.plans:
             if (len(self.plans) >= MAX_PLANS
@@ -209,64 +262,83 @@ class AutoTuner:
                     MAX_BUCKETS, len(self.plans), self._buckets_used,
                     key.split(";")[0], len(fixed))
                 return None
-            self.plans[key] = TunedPlan(key, len(self.plans), self._buckets_used,
-                                        tuple(candidates), tuple(fixed),
-                                        self._stored_choice(key, candidates, len(fixed)))
+            stored = self._stored_choice(key, candidates, len(fixed), len(thresholds))
+            self.plans[key] = TunedPlan(
+                key, len(self.plans), self._buckets_used, tuple(candidates), tuple(fixed),
+                stored and stored[1], tuple(thresholds),
+                None if bucket_thresholds is None else tuple(bucket_thresholds),
+                stored[0] if stored else 0)
             self._buckets_used += len(fixed)
         return self.plans[key]
 
-    def _stored_choice(self, key, candidates, num_buckets):
-        """The stored choice of `key` as candidate indices, if it is one for
-        these candidates and buckets; else None (tried again)."""
+    def _stored_choice(self, key, candidates, num_buckets, num_thresholds):
+        """The stored choice of `key` as `(threshold index, candidate
+        indices)`, if it is one for these candidates and buckets; else None
+        (tried again). The key names every threshold's buckets."""
         stored = self._stored.get(key)
         if stored is None:
             return None
         choices = stored.get("choices")
+        threshold = stored.get("threshold_index", 0)
         if (list(stored.get("candidates", [])) != list(candidates) or not isinstance(
                 choices, list) or len(choices) != num_buckets
-                or any(a not in candidates for a in choices)):
+                or any(a not in candidates for a in choices)
+                or threshold not in range(num_thresholds)):
             logging.warning("tfscale autotune: the choice stored in %s for %s is for "
                             "other candidates or buckets; it is tried again.",
                             self.path(), key)
             return None
-        return [candidates.index(a) for a in choices]
+        return threshold, [candidates.index(a) for a in choices]
 
     def begin(self, plan, world):
         """Traces the start of one call of `plan`: the agreement on a stored
         choice (first step), the decision (first step after the trials);
-        returns a `Call` whose `run` picks each bucket's algorithm."""
+        returns a `Call` whose `run` picks each bucket's algorithm (and
+        `select` each tensor's threshold)."""
         step = self.steps[plan.number]
         trial_steps = plan.trial_steps
         rows = tf.range(plan.offset, plan.offset + plan.num_buckets)
-        num_candidates = len(plan.candidates)
+        num_candidates, num_thresholds = len(plan.candidates), len(plan.thresholds)
+        plan_threshold = self.threshold[plan.number]
 
         def read():
-            return tf.gather(self.chosen, rows), tf.constant(False)
+            return tf.gather(self.chosen, rows), plan_threshold, tf.constant(False)
 
         def agree_on_stored():
             # Only the chief reads the file (another host may not see it):
             # the others learn its choice, or that there is none, from it.
-            mine = np.zeros([plan.num_buckets + 1], np.float32)
+            mine = np.zeros([plan.num_buckets + 2], np.float32)
             if plan.stored is not None:
-                mine[0], mine[1:] = 1.0, plan.stored
+                mine[0], mine[1], mine[2:] = 1.0, plan.stored_threshold, plan.stored
             agreed = world.all_reduce(tf.constant(mine))
             stored = agreed[0] > 0.5
-            choice = tf.where(stored, tf.cast(agreed[1:], tf.int32),
+            choice = tf.where(stored, tf.cast(agreed[2:], tf.int32),
                               tf.gather(self.chosen, rows))
-            with tf.control_dependencies([self._set(rows, choice)]):
-                return tf.identity(choice), stored
+            threshold = tf.where(stored, tf.cast(agreed[1], tf.int32), plan_threshold)
+            with tf.control_dependencies([self._set(rows, choice),
+                                          self._set_threshold(plan, threshold)]):
+                return tf.identity(choice), tf.identity(threshold), stored
 
         def decide():
-            least = tf.reduce_sum(world.all_reduce(
-                tf.gather(self.seconds, rows)[:, :num_candidates], merge_op="Min"), axis=2)
-            choice = tf.argmin(least, axis=1, output_type=tf.int32)
-            done = [self._set(rows, choice)]
+            buckets = tf.gather(self.seconds, rows)[:, :num_candidates]
+            spans = self.span_seconds[plan.number, :num_thresholds, :num_candidates]
+            least = world.all_reduce(tf.concat(
+                [tf.reshape(buckets, [-1]), tf.reshape(spans, [-1])], 0), merge_op="Min")
+            split = plan.num_buckets * num_candidates * ROUNDS
+            least_buckets = tf.reduce_sum(tf.reshape(
+                least[:split], [plan.num_buckets, num_candidates, ROUNDS]), axis=2)
+            least_spans = tf.reduce_sum(tf.reshape(
+                least[split:], [num_thresholds, num_candidates, ROUNDS]), axis=2)
+            choice = tf.argmin(least_buckets, axis=1, output_type=tf.int32)
+            threshold = tf.argmin(tf.reduce_min(least_spans, axis=1), output_type=tf.int32)
+            done = [self._set(rows, choice), self._set_threshold(plan, threshold)]
             if self.is_chief:
                 done.append(tf.py_function(
-                    lambda c, s: self.report(plan, c.numpy(), s.numpy()) or 0,
-                    [choice, least], tf.int32))
+                    lambda c, t, s, p: self.report(
+                        plan, c.numpy(), s.numpy(), int(t.numpy()), p.numpy()) or 0,
+                    [choice, threshold, least_buckets, least_spans], tf.int32))
             with tf.control_dependencies(done):
-                return tf.identity(choice), tf.constant(False)
+                return tf.identity(choice), tf.identity(threshold), tf.constant(False)
 
         # Unordered: ordered after the stateful ops traced before it (the
         # exposed-communication stamp waits for every gradient) it would hold
@@ -275,37 +347,68 @@ class AutoTuner:
         # fixed algorithm, the group's ordering token chains them): all the
         # candidates are timed, and the choice runs, that way.
         branch = tf.where(tf.equal(step, 0), 0, tf.where(tf.equal(step, trial_steps), 1, 2))
-        chosen, stored = tf.switch_case(branch, [agree_on_stored, decide, read])
+        chosen, chosen_threshold, stored = tf.switch_case(
+            branch, [agree_on_stored, decide, read])
         graph_order.unordered_case(chosen)
         trying = tf.logical_and(step < trial_steps, tf.logical_not(stored))
-        timed = tf.logical_and(trying, step >= num_candidates)
-        trial_round = tf.cast(tf.clip_by_value(step // num_candidates - 1, 0, ROUNDS - 1),
+        # Each threshold's step: its first C warm up, then ROUNDS of C timed.
+        own_step = step // num_thresholds
+        timed = tf.logical_and(trying, own_step >= num_candidates)
+        trial_round = tf.cast(tf.clip_by_value(own_step // num_candidates - 1, 0, ROUNDS - 1),
                               tf.int32)
         self.steps[plan.number].assign(
             tf.where(stored, tf.constant(trial_steps + 1, tf.int64), step + 1))
-        choice = tf.where(trying, tf.cast(step % num_candidates, tf.int32), chosen)
-        return Call(self, plan, choice, timed, trial_round)
+        candidate = tf.cast(own_step % num_candidates, tf.int32)
+        threshold = tf.where(trying, tf.cast(step % num_thresholds, tf.int32),
+                             chosen_threshold)
+        choice = tf.where(trying, candidate, chosen)
+        # A bucket of another threshold's plan skips (branch C).
+        choice = tf.where(tf.equal(tf.constant(plan.bucket_thresholds, tf.int32), threshold),
+                          choice, num_candidates)
+        return Call(self, plan, choice, timed, trial_round, threshold, candidate)
 
     def _set(self, rows, choice):
         """The op writing `choice` to the rows of `chosen`."""
         return tf.raw_ops.ResourceScatterNdUpdate(
             ref=self.chosen.handle, indices=rows[:, None], updates=choice)
 
-    def report(self, plan, choice, least):
+    def _set_threshold(self, plan, threshold):
+        """The op writing `plan`'s chosen threshold."""
+        return tf.raw_ops.ResourceScatterNdUpdate(
+            ref=self.threshold.handle, indices=[[plan.number]], updates=threshold[None])
+
+    def report(self, plan, choice, least, threshold=0, spans=None):
         """Logs the decision and stores it (the chief, once per plan). Runs
         inside the step: a file it cannot write is a warning, not a failure
-        of the chief's step that would leave the others waiting."""
+        of the chief's step that would leave the others waiting.
+
+        Args:
+            choice: each bucket's candidate index.
+            least: seconds per bucket and candidate, summed over the rounds.
+            threshold: the chosen threshold's index.
+            spans: seconds of the call per threshold and candidate, summed
+                over the rounds (several thresholds only).
+        """
         lines = []
-        for bucket, (c, seconds) in enumerate(zip(choice, least)):
+        if len(plan.thresholds) > 1:
+            for t, (size, seconds) in enumerate(zip(plan.thresholds, spans)):
+                times = ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
+                                  for a, s in zip(plan.candidates, seconds))
+                lines.append(f"  fusion threshold {size:,} bytes "
+                             f"({len(plan.buckets_of(t))} bucket(s)), the call from its "
+                             f"first gradient to its last result: {times}"
+                             + (" -> chosen" if t == threshold else ""))
+        for number, bucket in enumerate(plan.buckets_of(threshold)):
+            c, seconds = choice[bucket], least[bucket]
             if plan.fixed[bucket] is not None:
-                lines.append(f"  bucket {bucket}: {plan.fixed[bucket]} (its size is "
+                lines.append(f"  bucket {number}: {plan.fixed[bucket]} (its size is "
                              "known only at run time)")
                 continue
             times = ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
                               for a, s in zip(plan.candidates, seconds))
-            lines.append(f"  bucket {bucket}: {times} -> {plan.candidates[c]}")
+            lines.append(f"  bucket {number}: {times} -> {plan.candidates[c]}")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
-                     "time from its buffer ready to its result, mean of %d steps, "
+                     "time from its tensors ready to its result, mean of %d steps, "
                      "least over the workers in each):\n%s", plan.key.split(";")[0],
                      plan.trial_steps, ROUNDS, "\n".join(lines))
         if self.directory is None:
@@ -315,6 +418,11 @@ class AutoTuner:
                 "key": plan.key, "candidates": list(plan.candidates),
                 "choices": self._names(plan, choice),
                 "milliseconds": (np.asarray(least) / ROUNDS * 1e3).round(3).tolist()}
+            if len(plan.thresholds) > 1:
+                self._stored[plan.key].update(
+                    threshold_index=threshold,
+                    fusion_threshold_bytes=plan.thresholds[threshold],
+                    span_milliseconds=(np.asarray(spans) / ROUNDS * 1e3).round(3).tolist())
             try:
                 _atomic.write_json(self.path(), {"plans": list(self._stored.values())},
                                    indent=1)
@@ -329,52 +437,98 @@ class AutoTuner:
 
     def choices(self):
         """Each plan's state, read now: `{key: {"candidates", "steps",
-        "choices" (algorithm per bucket, None until decided), "seconds"
-        (this worker's, per bucket, candidate and timed round)}}`."""
+        "choices" (algorithm per bucket of the chosen threshold, None until
+        decided), "seconds" (this worker's, per bucket of the chosen
+        threshold, candidate and timed round), "fusion_thresholds" (bytes
+        tried; [None]: one plan), "fusion_threshold_bytes" (the chosen one),
+        "span_seconds" (this worker's, per threshold, candidate and
+        round)}}`. Before the decision the given threshold's buckets."""
         steps = self.steps.numpy()
         chosen = self.chosen.numpy()
         seconds = self.seconds.numpy()
+        thresholds = self.threshold.numpy()
+        spans = self.span_seconds.numpy()
         result = {}
         for key, plan in self.plans.items():
-            rows = slice(plan.offset, plan.offset + plan.num_buckets)
             decided = steps[plan.number] > plan.trial_steps
+            threshold = int(thresholds[plan.number]) if decided else 0
+            rows = [plan.offset + b for b in plan.buckets_of(threshold)]
+            choices = self._names(plan, chosen[plan.offset:plan.offset + plan.num_buckets])
             result[key] = {
                 "candidates": list(plan.candidates), "steps": int(steps[plan.number]),
-                "choices": self._names(plan, chosen[rows]) if decided else None,
-                "seconds": seconds[rows, :len(plan.candidates)].tolist()}
+                "choices": ([choices[r - plan.offset] for r in rows] if decided else None),
+                "seconds": seconds[rows, :len(plan.candidates)].tolist(),
+                "fusion_thresholds": list(plan.thresholds),
+                "fusion_threshold_bytes": plan.thresholds[threshold] if decided else None,
+                "span_seconds": spans[plan.number, :len(plan.thresholds),
+                                      :len(plan.candidates)].tolist()}
         return result
 
 
 @dataclasses.dataclass
 class Call:
-    """One traced call of a plan: runs each bucket's chosen algorithm."""
+    """One traced call of a plan: runs each bucket's chosen algorithm, and
+    takes each tensor from the chosen threshold's plan."""
 
     tuner: AutoTuner
     plan: TunedPlan
-    choice: tf.Tensor  # per bucket, an index into plan.candidates
+    choice: tf.Tensor  # per bucket, an index into plan.candidates (C: skip)
     timed: tf.Tensor  # whether this step's times count
     trial_round: tf.Tensor  # which timed round it is, if so
+    threshold: tf.Tensor  # the index of the threshold this step runs
+    candidate: tf.Tensor  # the candidate every bucket tries, in the trials
+    bucket_offset: int = 0  # the row (in the plan) of the plan's bucket 0
 
-    def run(self, bucket, buffer, branches):
+    def for_threshold(self, number):
+        """This call for the buckets of threshold `number`'s plan."""
+        return dataclasses.replace(self, bucket_offset=self.plan.buckets_of(number)[0])
+
+    def run(self, bucket, inputs, branches):
         """The result of `branches[algorithm]()` for the algorithm bucket
-        number `bucket` runs this step, timed during the trials."""
-        row = self.plan.offset + bucket
-        start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp([buffer]))
-        result = tf.switch_case(
-            self.choice[bucket], [branches[a] for a in self.plan.candidates])
-        graph_order.unordered_case(result)  # as in `begin`: the buckets run side by side
-        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp([result]))
-        seconds = tf.where(self.timed, tf.cast(end - start, tf.float32), 0.0)
+        number `bucket` runs this step, timed during the trials; with
+        several thresholds, `inputs` as they are where its plan is not this
+        step's."""
+        row = self.plan.offset + self.bucket_offset + bucket
+        choice = self.choice[self.bucket_offset + bucket]
+        start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(inputs))
+        cases = [branches[a] for a in self.plan.candidates]
+        if len(self.plan.thresholds) > 1:
+            cases.append(lambda: [tf.identity(t) for t in inputs])
+        result = tf.switch_case(choice, cases)
+        graph_order.unordered_case(result[0])  # as in `begin`: the buckets run side by side
+        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
+        skipped = tf.equal(choice, len(self.plan.candidates))
+        seconds = tf.where(tf.logical_and(self.timed, tf.logical_not(skipped)),
+                           tf.cast(end - start, tf.float32), 0.0)
         graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
             ref=self.tuner.seconds.handle,
-            indices=tf.stack([row, self.choice[bucket], self.trial_round])[None],
+            indices=tf.stack([row, tf.minimum(choice, len(self.plan.candidates) - 1),
+                              self.trial_round])[None],
             updates=seconds[None]))
         return result
 
+    def select(self, first_ready, results):
+        """Each tensor from the plan of this step's threshold (`results`: one
+        list per threshold), the call's span (from `first_ready`, a stamp)
+        timed during the trials."""
+        selected = tf.switch_case(self.threshold, [
+            (lambda r=r: list(r)) for r in results])
+        graph_order.unordered_case(selected[0])
+        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(selected))
+        seconds = tf.where(self.timed, tf.cast(end - first_ready, tf.float32), 0.0)
+        graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
+            ref=self.tuner.span_seconds.handle,
+            indices=tf.stack([self.plan.number, self.threshold, self.candidate,
+                              self.trial_round])[None],
+            updates=seconds[None]))
+        return selected
 
-def plan_key(topology, buckets):
-    """What a stored choice is valid for: the topology and each bucket."""
+
+def plan_key(topology, buckets, thresholds=(None,)):
+    """What a stored choice is valid for: the topology and each bucket (of
+    each threshold's plan, with several)."""
     return "; ".join([f"nodes {list(topology.node_sizes)}"] + [
         f"{len(b.indices)}x{b.size_bytes}:{b.dtype.name}>{b.wire_dtype.name}"
-        for b in buckets])
+        for b in buckets] + ([f"fusion thresholds {list(thresholds)}"]
+                             if len(thresholds) > 1 else []))
 

@@ -132,7 +132,11 @@ class CommunicationOptions:
       time (per step the least over the workers, about the one ready last;
       they agree by one all-reduce of the times). The chief logs the
       choice and, given `autotune_dir`, stores it there; a restart reuses
-      it without trials. `cost_model` orders the trials and breaks ties.
+      it without trials. It tries the plan at `fusion_threshold_bytes`
+      and at a quarter of it too (smaller buffers start during backprop,
+      at more ops each step), taking turns, and keeps the threshold whose
+      best candidate left the least from the first gradient ready to the
+      last result. `cost_model` orders the trials and breaks ties.
       Nothing to try with one node or one worker per node (a ring); inside
       XLA or under op determinism no trials (the cost model's choice). See
       `tfscale.collectives.autotune`.
@@ -150,7 +154,9 @@ class CommunicationOptions:
             run on GPUs; `"hybrid"` when `hybrid_threshold_bytes` is given
             (`collectives.implementation.default_algorithm`).
         fusion_threshold_bytes: buffer size at which a fused buffer is closed
-            and sent; 0 sends each tensor on its own.
+            and sent; 0 sends each tensor on its own. Under `"auto"` (where it
+            has candidates) also a quarter of it is tried, and the faster
+            kept.
         hybrid_threshold_bytes: `"hybrid"` only: bytes on the wire at which a
             buffer goes by ring instead of hierarchical. `None`: each buffer
             takes the algorithm `cost_model` predicts fastest.

@@ -187,11 +187,12 @@ def supports(topology, algorithm):
 
 
 def auto_plan(sizes_bytes, dtypes, topology, fusion_threshold_bytes,
-              compression=None, cost_model=None):
+              compression=None, cost_model=None, order=None):
     """The plan of algorithm="auto": `plan`'s buckets, each with the
     candidates `autotune` tries (`Bucket.candidates`), ordered by the cost
-    model's prediction for the whole plan. With one candidate (one node,
-    one worker per node) its plain plan."""
+    model's prediction for the whole plan (or as `order` lists them: the
+    plans of one call's thresholds share one order). With one candidate
+    (one node, one worker per node) its plain plan."""
     model = cost_model or cost_model_lib.DEFAULT
     names = autotune.candidates(topology, lambda a: supports(topology, a))
     plans = {a: plan(sizes_bytes, dtypes, topology, a, fusion_threshold_bytes,
@@ -201,7 +202,7 @@ def auto_plan(sizes_bytes, dtypes, topology, fusion_threshold_bytes,
         return sum(model.predict(b.algorithm, b.wire_bytes, topology.node_sizes,
                                  b.num_chunks) for b in plans[algorithm])
 
-    names = sorted(names, key=predicted)
+    names = sorted(names, key=predicted) if order is None else list(order)
     if len(names) == 1:
         return plans[names[0]]
     buckets = []
