@@ -105,6 +105,44 @@ def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path):
     assert other.tuned_plan("f #0; x", ("2d", "ring"), (None, "ring")).stored is None
 
 
+def test_a_stored_threshold_is_restored_with_the_choice(tmp_path):
+    tuner = autotune.AutoTuner(directory=tmp_path, is_chief=True)
+    plan = autotune.TunedPlan("f #0; y", 0, 0, ("ring", "2d"), (None,) * 3, None,
+                              thresholds=(4800, 1200), bucket_thresholds=(0, 1, 1))
+    assert plan.trial_steps == 2 * 2 * (autotune.ROUNDS + 1)
+    tuner.report(plan, np.array([0, 1, 0]), np.full([3, 2], 0.004), threshold=1,
+                 spans=np.array([[0.03, 0.05], [0.02, 0.04]]))
+    (entry,) = json.loads((tmp_path / autotune.FILE_NAME).read_text())["plans"]
+    assert entry["fusion_threshold_bytes"] == 1200 and entry["threshold_index"] == 1
+    again = autotune.AutoTuner(directory=tmp_path, is_chief=True).tuned_plan(
+        "f #0; y", ("ring", "2d"), (None,) * 3, (4800, 1200), (0, 1, 1))
+    assert (again.stored_threshold, again.stored) == (1, [0, 1, 0])
+
+
+def test_auto_tries_a_quarter_of_the_fusion_threshold_where_it_cuts_otherwise():
+    """The plans of the thresholds tried (traced, never run): 4800 bytes
+    make one bucket of the two tensors, 1200 two; with threshold 0, or on
+    one node, one plan as before."""
+    all_reduce, world = _auto_on_two_nodes(fusion_threshold_bytes=4800)
+    inputs = [tf.zeros([n]) for n in (300, 900)]
+    thresholds, plans = all_reduce.threshold_plans(inputs)
+    assert thresholds == (4800, 1200) and [len(p) for p in plans] == [1, 2]
+    assert [[a for a, _ in b.candidates] for b in plans[1]] == [
+        [a for a, _ in plans[0][0].candidates]] * 2  # one order for both
+    assert "Case" in _traced_op_types(all_reduce, world)
+    (plan,) = all_reduce.autotuner.plans.values()
+    assert plan.thresholds == (4800, 1200) and plan.bucket_thresholds == (0, 1, 1)
+    assert plan.trial_steps == 2 * 3 * (autotune.ROUNDS + 1)
+    assert autotune.DECIDED_BY_STEP == plan.trial_steps + 1
+    zero, _ = _auto_on_two_nodes(fusion_threshold_bytes=0)
+    assert zero.threshold_plans(inputs)[0] == (0,)
+    from tfscale import collectives
+
+    flat = collectives.AllReduce(topology_lib.from_hosts(["a"] * 4, 0, None), "auto",
+                                 fusion_threshold_bytes=4800, implementation="ring")
+    assert flat.threshold_plans(inputs)[0] == (4800,)
+
+
 def _flat(weights):
     return np.concatenate([np.asarray(w, np.float32).ravel() for w in weights])
 
@@ -163,6 +201,9 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     stored = run.results[0]["stored"]
     (entry,) = [p for p in stored["plans"] if "fusion_threshold_bytes" in p]
     assert entry["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
+    # Its choices list the 1024-byte plan's bucket, then the 256-byte plan's two.
+    rows = {1024: slice(0, 1), 256: slice(1, 3)}[entry["fusion_threshold_bytes"]]
+    assert entry["choices"][rows] == tuned[0]["choices"]
     for result in results:
         restarted = gradients(result["restarted"])
         assert restarted["choices"] == tuned[0]["choices"]
@@ -200,7 +241,7 @@ def test_beyond_the_tuners_limits_a_call_is_not_tuned():
     assert list(tuner.plans) == ["a"]
 
 
-def _auto_on_two_nodes():
+def _auto_on_two_nodes(fusion_threshold_bytes=0):
     """An "auto" `AllReduce` on 2 nodes of 2 and a group to trace it with on
     this CPU (no peers: only traced, never run)."""
     from tfscale import collectives
@@ -210,7 +251,8 @@ def _auto_on_two_nodes():
     topology = topology_lib.from_hosts(["a", "a", "b", "b"], 0, 2)
     world = tf_collectives.standalone_group(
         4, cpu, "ring", max_subgroup_index=collectives.topology.MAX_SUBGROUP_INDEX)
-    return collectives.AllReduce(topology, "auto", fusion_threshold_bytes=0,
+    return collectives.AllReduce(topology, "auto",
+                                 fusion_threshold_bytes=fusion_threshold_bytes,
                                  implementation="ring"), world
 
 

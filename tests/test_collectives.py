@@ -420,11 +420,14 @@ def test_halving_doubling_sums_exactly_and_alike_on_any_number_of_workers(
 FIT_CONFIGS = {
     4: ["ring", "hierarchical", "2d", "hybrid", "hierarchical+bfloat16",
         "ring+float16"],
-    # "default": CommunicationOptions() as most users leave it (auto here).
-    3: ["ring", "hierarchical", "hybrid", "halving_doubling", "default"],
+    # "default": CommunicationOptions() as most users leave it (auto here);
+    # with float16 its candidates also agree on each buffer's scale.
+    3: ["ring", "hierarchical", "hybrid", "halving_doubling", "default",
+        "default+float16"],
 }
-# 3 workers: auto's 6 trial steps (2 candidates) and its decision.
-FIT_STEPS = {4: 6, 3: 7}
+# 3 workers: auto's 12 trial steps (2 candidates at 2 fusion thresholds)
+# and its decision.
+FIT_STEPS = {4: 6, 3: 13}
 
 
 @pytest.fixture(scope="module")
@@ -481,25 +484,30 @@ def test_fit_with_each_algorithm_matches_ring(fit_runs, num_workers):
 
 
 @pytest.mark.multiworker
-def test_fit_by_default_tunes_ring_against_hierarchical_on_nodes_of_2_and_1(fit_runs):
+def test_fit_by_default_tunes_ring_against_hierarchical_and_two_thresholds_on_nodes_of_2_and_1(
+        fit_runs):
     results = fit_runs[3].results
     for result in results:
         assert result["nodes"] == [[0, 1], [2]]
         assert result["algorithms"]["default"] == "auto"
 
-    def gradients(result):  # the gradients' all-reduce: 2 buckets
-        (plan,) = [p for p in result["autotune"]["default"] if len(p["seconds"]) == 2]
+    def gradients(result):  # the gradients' all-reduce: 2 buckets at 256 bytes, 3 at 64
+        (plan,) = [p for p in result["autotune"]["default"]
+                   if p["fusion_thresholds"] == [256, 64]]
         return plan
 
-    # The two algorithms that differ here (2d needs equal nodes), each timed
-    # in its trial steps (6), then one choice per bucket in the 7th step,
-    # the same on every worker.
+    # The two algorithms that differ here (2d needs equal nodes) at both
+    # thresholds, each timed in the trial steps (12), then one threshold and
+    # one choice per bucket in the 13th step, the same on every worker.
     plan = gradients(results[0])
     assert sorted(plan["candidates"]) == ["hierarchical", "ring"]
-    assert plan["steps"] == 7 and len(plan["choices"]) == 2
+    assert plan["steps"] == 13
+    assert len(plan["choices"]) == {256: 2, 64: 3}[plan["fusion_threshold_bytes"]]
     for result in results:
         assert np.all(np.asarray(gradients(result)["seconds"]) > 0)
+        assert np.all(np.asarray(gradients(result)["span_seconds"]) > 0)
         assert gradients(result)["choices"] == plan["choices"]
+        assert gradients(result)["fusion_threshold_bytes"] == plan["fusion_threshold_bytes"]
 
 
 @pytest.mark.multiworker

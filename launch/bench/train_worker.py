@@ -105,7 +105,8 @@ def _fit(spec, strategy):
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
     if isinstance(strategy, tfscale.Strategy):
-        # How many fused buffers the gradients make (--fusion_thresholds).
+        # How many fused buffers the gradients make at the given threshold
+        # (--fusion_thresholds; auto may choose a quarter of it, its report says).
         timed["gradient_buckets"] = len(strategy.all_reduce_plan(
             [v.value for v in model.trainable_variables]))
     if getattr(strategy, "powersgd", None) is not None:

@@ -84,7 +84,7 @@ def make_groups(world, topology):
 
 
 def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
-                     tuning_call=None):
+                     tuning_call=None, lane_suffix=""):
     """Sums `tensors` over all workers following a plan.
 
     Args:
@@ -100,6 +100,8 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
             spans of the timeline, the bucket and each of its stages.
         tuning_call: for buckets of algorithm "auto": the `autotune.Call`
             that runs one of their candidates.
+        lane_suffix: ends each bucket's timeline lane (the plans of auto's
+            fusion thresholds keep apart).
 
     Returns:
         The summed tensors, in the order given.
@@ -113,7 +115,8 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
     for number, bucket in enumerate(buckets):
         inputs = [tensors[i] for i in bucket.indices]
         compressing = compression if bucket.wire_dtype != bucket.dtype else None
-        with span(f"bucket {number}", inputs, lane=f"bucket {number}", bucket=number,
+        with span(f"bucket {number}", inputs, lane=f"bucket {number}{lane_suffix}",
+                  bucket=number,
                   buckets=len(buckets), algorithm=bucket.algorithm,
                   indices=list(bucket.indices)):
             if bucket.algorithm == autotune_lib.NAME:
@@ -229,16 +232,20 @@ class AllReduce:
         self._groups = {}
         self._logged = set()
 
-    def plan(self, tensors):
-        """The buckets for `tensors` (given in forward order)."""
+    def plan(self, tensors, fusion_threshold_bytes=None, order=None):
+        """The buckets for `tensors` (given in forward order), fused at
+        `fusion_threshold_bytes` (None: the given one); "auto": its
+        candidates in `order` (None: the cost model's)."""
         backward = list(reversed(tensors))
         sizes, dtypes = [fusion.size_bytes(t) for t in backward], [t.dtype for t in backward]
+        if fusion_threshold_bytes is None:
+            fusion_threshold_bytes = self.fusion_threshold_bytes
         if self.algorithm == autotune_lib.NAME:
-            return auto_plan(sizes, dtypes, self.topology, self.fusion_threshold_bytes,
-                             self.compression, self.cost_model)
+            return auto_plan(sizes, dtypes, self.topology, fusion_threshold_bytes,
+                             self.compression, self.cost_model, order=order)
         buckets = plan(
             sizes, dtypes,
-            self.topology, self.algorithm, self.fusion_threshold_bytes,
+            self.topology, self.algorithm, fusion_threshold_bytes,
             self.hybrid_threshold_bytes, self.compression, self.cost_model,
         )
         if self.implementation == "nccl":
@@ -262,21 +269,20 @@ class AllReduce:
             self._groups[id(world)] = (world, groups)
         return self._groups[id(world)][1]
 
-    def threshold_plans(self, tensors):
+    def threshold_plans(self, tensors, buckets=None):
         """"auto": `(thresholds, plans)`, the plan of `tensors` at each
         fusion threshold `autotune` tries that cuts them differently, the
-        given threshold's first, its candidates' order shared by all. One
-        plan where nothing is tried or a size is known only at run time."""
-        buckets = self.plan(tensors)
+        given threshold's (`buckets`, if planned) first, its candidates'
+        order shared by all. One plan where nothing is tried or a size is
+        known only at run time."""
+        buckets = buckets or self.plan(tensors)
         if not any(b.candidates for b in buckets) or not all(b.candidates for b in buckets):
             return (self.fusion_threshold_bytes,), [buckets]
-        backward = list(reversed(tensors))
-        sizes, dtypes = [fusion.size_bytes(t) for t in backward], [t.dtype for t in backward]
         order = [a for a, _ in buckets[0].candidates]
-        thresholds, plans, cuts = [], [], set()
-        for threshold in autotune_lib.fusion_thresholds(self.fusion_threshold_bytes):
-            plan_ = auto_plan(sizes, dtypes, self.topology, threshold, self.compression,
-                              self.cost_model, order=order)
+        thresholds, plans = [self.fusion_threshold_bytes], [buckets]
+        cuts = {tuple(b.indices for b in buckets)}
+        for threshold in autotune_lib.fusion_thresholds(self.fusion_threshold_bytes)[1:]:
+            plan_ = self.plan(tensors, threshold, order)
             cut = tuple(b.indices for b in plan_)
             if cut not in cuts:
                 cuts.add(cut)
@@ -295,12 +301,12 @@ class AllReduce:
             # determinism (a choice by timings would differ between runs).
             untried = accessors.in_xla_context() or accessors.op_determinism_enabled()
             if not untried:
-                thresholds, plans = self.threshold_plans(tensors)
+                thresholds, plans = self.threshold_plans(tensors, buckets)
                 every = [b for p in plans for b in p]
                 tuning = self.autotuner.tuned_plan(
                     self.autotuner.call_site(
                         autotune_lib.plan_key(self.topology, every, thresholds)),
-                    tuple(a for a, _ in buckets[0].candidates),
+                    tuple(a for a, _ in next(b for b in buckets if b.candidates).candidates),
                     [None if b.candidates else b.algorithm for b in every],
                     thresholds, [t for t, p in enumerate(plans) for _ in p])
                 untried = tuning is None  # beyond what the tuner holds
@@ -328,8 +334,9 @@ class AllReduce:
             return call.select(first_ready, [
                 fused_all_reduce(backward, groups, plan_, self.compression,
                                  note=note if self.note else None,
-                                 tuning_call=call.for_threshold(number))
-                for number, plan_ in enumerate(plans)])
+                                 tuning_call=call.for_threshold(number),
+                                 lane_suffix=f" at {threshold:,} bytes")
+                for number, (threshold, plan_) in enumerate(zip(tuning.thresholds, plans))])
 
         if self.exposed_communication_seconds is None:
             return list(reversed(reduce_fn(backward)))
@@ -381,6 +388,8 @@ class AllReduce:
         elif self.algorithm == autotune_lib.NAME:
             threshold = (", auto: nothing to choose (one node, one worker per node, "
                          "or sizes known only at run time)")
+        listed = (buckets if tuning is None or tuning.stored is None
+                  else self._stored_choices(plans, tuning))
         logging.info(
             "tfscale all-reduce of %d tensor(s) on %s: algorithm=%s, "
             "fusion_threshold_bytes=%s, compression=%s%s%s; %d bucket(s), "
@@ -388,8 +397,7 @@ class AllReduce:
             sum(len(b.indices) for b in buckets), self.topology.describe(),
             self.algorithm, f"{self.fusion_threshold_bytes:,}", self.compression,
             threshold, ", through NCCL" if self.implementation == "nccl" else "",
-            len(buckets), describe_plan(buckets if tuning is None or tuning.stored is None
-                                        else self._stored_choices(plans, tuning)),
+            len(listed), describe_plan(listed),
         )
 
     @staticmethod

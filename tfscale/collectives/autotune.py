@@ -39,7 +39,7 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   the threshold whose best candidate had the least span (the same least
   over the workers, summed over the rounds; the given threshold on a
   tie). In one round
-  the minimum is about the worker whose buffer was ready last: no
+  the minimum is about the worker whose tensors were ready last: no
   algorithm can start before it, so its time is mostly the algorithm's
   own, where an earlier worker's also counts its wait for the others (the
   skew between workers, which differs from step to step: with 4 workers
@@ -367,15 +367,15 @@ class AutoTuner:
                           choice, num_candidates)
         return Call(self, plan, choice, timed, trial_round, threshold, candidate)
 
-    def _set(self, rows, choice):
-        """The op writing `choice` to the rows of `chosen`."""
+    def _set(self, rows, choice, variable=None):
+        """The op writing `choice` to the rows of `variable` (`chosen`)."""
         return tf.raw_ops.ResourceScatterNdUpdate(
-            ref=self.chosen.handle, indices=rows[:, None], updates=choice)
+            ref=(self.chosen if variable is None else variable).handle,
+            indices=rows[:, None], updates=choice)
 
     def _set_threshold(self, plan, threshold):
         """The op writing `plan`'s chosen threshold."""
-        return tf.raw_ops.ResourceScatterNdUpdate(
-            ref=self.threshold.handle, indices=[[plan.number]], updates=threshold[None])
+        return self._set(tf.constant([plan.number]), threshold[None], self.threshold)
 
     def report(self, plan, choice, least, threshold=0, spans=None):
         """Logs the decision and stores it (the chief, once per plan). Runs
@@ -389,14 +389,16 @@ class AutoTuner:
             spans: seconds of the call per threshold and candidate, summed
                 over the rounds (several thresholds only).
         """
+        def times(seconds):  # each candidate's mean milliseconds
+            return ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
+                             for a, s in zip(plan.candidates, seconds))
+
         lines = []
         if len(plan.thresholds) > 1:
             for t, (size, seconds) in enumerate(zip(plan.thresholds, spans)):
-                times = ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
-                                  for a, s in zip(plan.candidates, seconds))
                 lines.append(f"  fusion threshold {size:,} bytes "
                              f"({len(plan.buckets_of(t))} bucket(s)), the call from its "
-                             f"first gradient to its last result: {times}"
+                             f"first gradient to its last result: {times(seconds)}"
                              + (" -> chosen" if t == threshold else ""))
         for number, bucket in enumerate(plan.buckets_of(threshold)):
             c, seconds = choice[bucket], least[bucket]
@@ -404,9 +406,7 @@ class AutoTuner:
                 lines.append(f"  bucket {number}: {plan.fixed[bucket]} (its size is "
                              "known only at run time)")
                 continue
-            times = ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
-                              for a, s in zip(plan.candidates, seconds))
-            lines.append(f"  bucket {number}: {times} -> {plan.candidates[c]}")
+            lines.append(f"  bucket {number}: {times(seconds)} -> {plan.candidates[c]}")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its tensors ready to its result, mean of %d steps, "
                      "least over the workers in each):\n%s", plan.key.split(";")[0],
@@ -440,7 +440,7 @@ class AutoTuner:
         "choices" (algorithm per bucket of the chosen threshold, None until
         decided), "seconds" (this worker's, per bucket of the chosen
         threshold, candidate and timed round), "fusion_thresholds" (bytes
-        tried; [None]: one plan), "fusion_threshold_bytes" (the chosen one),
+        tried, one where one plan), "fusion_threshold_bytes" (the chosen one),
         "span_seconds" (this worker's, per threshold, candidate and
         round)}}`. Before the decision the given threshold's buckets."""
         steps = self.steps.numpy()
@@ -494,34 +494,34 @@ class Call:
         cases = [branches[a] for a in self.plan.candidates]
         if len(self.plan.thresholds) > 1:
             cases.append(lambda: [tf.identity(t) for t in inputs])
-        result = tf.switch_case(choice, cases)
-        graph_order.unordered_case(result[0])  # as in `begin`: the buckets run side by side
-        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
         skipped = tf.equal(choice, len(self.plan.candidates))
-        seconds = tf.where(tf.logical_and(self.timed, tf.logical_not(skipped)),
-                           tf.cast(end - start, tf.float32), 0.0)
-        graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
-            ref=self.tuner.seconds.handle,
-            indices=tf.stack([row, tf.minimum(choice, len(self.plan.candidates) - 1),
-                              self.trial_round])[None],
-            updates=seconds[None]))
-        return result
+        return _timed_case(
+            choice, cases, start, tf.logical_and(self.timed, tf.logical_not(skipped)),
+            self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
+                                 self.trial_round])
 
     def select(self, first_ready, results):
         """Each tensor from the plan of this step's threshold (`results`: one
         list per threshold), the call's span (from `first_ready`, a stamp)
         timed during the trials."""
-        selected = tf.switch_case(self.threshold, [
-            (lambda r=r: list(r)) for r in results])
-        graph_order.unordered_case(selected[0])
-        end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(selected))
-        seconds = tf.where(self.timed, tf.cast(end - first_ready, tf.float32), 0.0)
-        graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
-            ref=self.tuner.span_seconds.handle,
-            indices=tf.stack([self.plan.number, self.threshold, self.candidate,
-                              self.trial_round])[None],
-            updates=seconds[None]))
-        return selected
+        return _timed_case(
+            self.threshold, [(lambda r=r: list(r)) for r in results], first_ready,
+            self.timed, self.tuner.span_seconds,
+            [self.plan.number, self.threshold, self.candidate, self.trial_round])
+
+
+def _timed_case(index, branches, start, timed, seconds, at):
+    """`tf.switch_case(index, branches)` (a list of tensors), run unordered
+    (as in `AutoTuner.begin`: the buckets run side by side); where `timed`,
+    the seconds from the `start` stamp to its result are added to
+    `seconds[at]`."""
+    result = tf.switch_case(index, branches)
+    graph_order.unordered_case(result[0])
+    end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
+    elapsed = tf.where(timed, tf.cast(end - start, tf.float32), 0.0)
+    graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
+        ref=seconds.handle, indices=tf.stack(at)[None], updates=elapsed[None]))
+    return result
 
 
 def plan_key(topology, buckets, thresholds=(None,)):
