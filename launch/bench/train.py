@@ -251,17 +251,9 @@ def main():
                   f"{p['wire_bytes'] / 1e6:.2f} MB per step "
                   f"({p['gradient_bytes'] / p['wire_bytes']:.1f}x less)")
         for plan in row.get("autotune", []):
-            threshold = ""
-            if len(plan["fusion_thresholds"]) > 1:
-                threshold = "fusion threshold " + (
-                    stats.human_bytes(plan["fusion_threshold_bytes"])
-                    if plan["fusion_threshold_bytes"] is not None else "not decided") + (
-                    " (of " + ", ".join(stats.human_bytes(t) for t in plan[
-                        "fusion_thresholds"]) + "; spans " + "; ".join(
-                        ", ".join(f"{ms:.0f}" for ms in spans) + " ms"
-                        for spans in plan["span_milliseconds"]) + "): ")
-            print(f"# {row['config']} {row['precision']}: {plan['call']}: {threshold}"
-                  f"{_choices_text(plan['choices'])} (of {', '.join(plan['candidates'])})")
+            print(f"# {row['config']} {row['precision']}: {plan['call']}: "
+                  f"{_threshold_text(plan)}{_choices_text(plan['choices'])} "
+                  f"(of {', '.join(plan['candidates'])})")
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
@@ -311,6 +303,19 @@ def _launches(configs, thresholds):
                 f"{name}@{stats.human_bytes(threshold).replace(' ', '')}")
             out.append((label, algorithm, compression, threshold))
     return out
+
+
+def _threshold_text(plan):
+    """'fusion threshold 8 MiB (of 32 MiB, 8 MiB; spans 7586, 7718 ms; 6722,
+    6896 ms): ' where auto tried several thresholds; else ''."""
+    if len(plan["fusion_thresholds"]) == 1:
+        return ""
+    chosen = plan["fusion_threshold_bytes"]
+    tried = ", ".join(stats.human_bytes(t) for t in plan["fusion_thresholds"])
+    spans = "; ".join(", ".join(f"{ms:.0f}" for ms in per_candidate) + " ms"
+                      for per_candidate in plan["span_milliseconds"])
+    return (f"fusion threshold {'not decided' if chosen is None else stats.human_bytes(chosen)}"
+            f" (of {tried}; spans {spans}): ")
 
 
 def _choices_text(choices):

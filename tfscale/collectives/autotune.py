@@ -262,12 +262,13 @@ class AutoTuner:
                     MAX_BUCKETS, len(self.plans), self._buckets_used,
                     key.split(";")[0], len(fixed))
                 return None
-            stored = self._stored_choice(key, candidates, len(fixed), len(thresholds))
+            stored_threshold, stored = self._stored_choice(
+                key, candidates, len(fixed), len(thresholds)) or (0, None)
             self.plans[key] = TunedPlan(
                 key, len(self.plans), self._buckets_used, tuple(candidates), tuple(fixed),
-                stored and stored[1], tuple(thresholds),
+                stored, tuple(thresholds),
                 None if bucket_thresholds is None else tuple(bucket_thresholds),
-                stored[0] if stored else 0)
+                stored_threshold)
             self._buckets_used += len(fixed)
         return self.plans[key]
 
@@ -452,11 +453,12 @@ class AutoTuner:
         for key, plan in self.plans.items():
             decided = steps[plan.number] > plan.trial_steps
             threshold = int(thresholds[plan.number]) if decided else 0
-            rows = [plan.offset + b for b in plan.buckets_of(threshold)]
-            choices = self._names(plan, chosen[plan.offset:plan.offset + plan.num_buckets])
+            own = plan.buckets_of(threshold)
+            rows = [plan.offset + b for b in own]
+            names = self._names(plan, chosen[plan.offset:plan.offset + plan.num_buckets])
             result[key] = {
                 "candidates": list(plan.candidates), "steps": int(steps[plan.number]),
-                "choices": ([choices[r - plan.offset] for r in rows] if decided else None),
+                "choices": [names[b] for b in own] if decided else None,
                 "seconds": seconds[rows, :len(plan.candidates)].tolist(),
                 "fusion_thresholds": list(plan.thresholds),
                 "fusion_threshold_bytes": plan.thresholds[threshold] if decided else None,
