@@ -95,15 +95,24 @@ def test_project_fits_the_measurements_and_projects_the_paper_hardware(allreduce
 def test_train_reports_throughput_efficiency_and_exposed_communication_per_threshold(
         tmp_path):
     output = tmp_path / "train.json"
-    bench(
+    stdout = bench(
         tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
-        "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=1",
-        "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,ring",
+        "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=2",
+        "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,lockstep,ring",
         "--compression=powersgd", "--powersgd_rank=2",
-        "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=360)
-    stock, row, small = json.loads(output.read_text())
+        "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=420)
+    stock, lockstep, row, small = json.loads(output.read_text())
     assert stock["config"] == "stock" and 0 < stock["exposed_communication_seconds"]
     assert stock["fusion_threshold_bytes"] is None and "gradient_buckets" not in stock
+    # Lockstep ran once, without a threshold, and each timed step's barrier
+    # joined both workers.
+    assert lockstep["config"] == "lockstep" and lockstep["fusion_threshold_bytes"] is None
+    assert lockstep["lockstep_workers"] == [[2.0, 2.0], [2.0, 2.0]], lockstep
+    assert lockstep["exposed_communication_seconds"] is None
+    assert "gradient_buckets" not in lockstep and "powersgd" not in lockstep
+    assert lockstep["efficiency_vs_contended_compute"] == pytest.approx(
+        lockstep["compute_seconds"] / lockstep["step_seconds"])
+    assert "# lockstep = every worker trains alone and waits for all the others" in stdout
     # Each tfscale configuration ran at each threshold, its buffers cut there.
     assert (row["config"], small["config"]) == ("ring+powersgd@32MiB", "ring+powersgd@64KiB")
     assert (row["fusion_threshold_bytes"], small["fusion_threshold_bytes"]) == (
@@ -168,6 +177,9 @@ def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):
 def test_a_bad_flag_value_ends_in_one_line_naming_it(tmp_path):
     process = bench_fails(tmp_path, "allreduce", "--algorithms=stock,ringg")
     assert "tfscale-bench allreduce: --algorithms: 'ringg' is unknown" in process.stderr
+    # Lockstep is a training baseline; a single all-reduce has none.
+    process = bench_fails(tmp_path, "allreduce", "--algorithms=lockstep")
+    assert "--algorithms: 'lockstep' is unknown; choose from stock, " in process.stderr
     # PowerSGD compresses whole gradients in training, not single buffers.
     process = bench_fails(tmp_path, "allreduce", "--compression=powersgd")
     assert ("--compression values must be none or one of bfloat16, float16. "

@@ -16,6 +16,10 @@ from tfscale.launch.bench import stats
 
 _MiB = 1024 * 1024
 STOCK = "stock"  # TF's own MultiWorkerMirroredStrategy all-reduce
+# train only: every worker trains alone and all wait for the slowest at each
+# step's end (one 4-byte all-reduce); no gradient is sent. Its step is what
+# synchronous training costs with a free link, on the same shared cores.
+LOCKSTEP = "lockstep"
 NO_COMPRESSION = "none"  # --compression value: float32 on the wire
 
 FLAGS = flags.FLAGS
@@ -34,7 +38,9 @@ def define_flags():
     flags.DEFINE_list(
         "algorithms", [STOCK, *collectives.FIXED_ALGORITHMS],
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
-        f"({', '.join(collectives.ALGORITHMS)}).")
+        f"({', '.join(collectives.ALGORITHMS)}); train also {LOCKSTEP} (workers "
+        "wait for each other every step and send no gradients: the floor of "
+        "synchronous training).")
     flags.DEFINE_list(
         "compression", [NO_COMPRESSION],
         "Wire formats for the tfscale algorithms: "
@@ -50,25 +56,28 @@ def define_flags():
                        "Seconds a tfscale collective may wait.")
 
 
-def configs(more_compressions=()):
+def configs(more_compressions=(), more_baselines=()):
     """The configurations --algorithms and --compression ask for.
 
     Args:
         more_compressions: compressions this subcommand takes besides the
             wire formats (train: PowerSGD, which compresses whole gradients,
             not single buffers).
+        more_baselines: configurations without an algorithm or compression
+            that this subcommand takes besides stock (train: lockstep).
 
     Returns:
-        `[(name, algorithm, compression)]`: stock first (if asked for; it has
-        no compression), then each tfscale algorithm with each compression
-        (None: float32 on the wire).
+        `[(name, algorithm, compression)]`: stock and the other baselines
+        first (if asked for; they have no compression), then each tfscale
+        algorithm with each compression (None: float32 on the wire).
 
     Raises:
         ValueError: naming the flag and the values it takes.
     """
     from tfscale import collectives
 
-    allowed = (STOCK, *collectives.ALGORITHMS)
+    baselines = (STOCK, *more_baselines)
+    allowed = (*baselines, *collectives.ALGORITHMS)
     if not FLAGS.algorithms:
         raise ValueError(f"--algorithms is empty; choose from {', '.join(allowed)}.")
     for name in FLAGS.algorithms:
@@ -83,10 +92,10 @@ def configs(more_compressions=()):
                 f"--compression values must be {NO_COMPRESSION} or one of "
                 f"{', '.join(known)}. Received: --compression={value}")
         compressions.append(None if value == NO_COMPRESSION else value)
-    out = [(STOCK, STOCK, None)] if STOCK in FLAGS.algorithms else []
+    out = [(name, name, None) for name in baselines if name in FLAGS.algorithms]
     for compression in compressions:
         for algorithm in FLAGS.algorithms:
-            if algorithm != STOCK:
+            if algorithm not in baselines:
                 name = algorithm + (f"+{compression}" if compression else "")
                 out.append((name, algorithm, compression))
     return out

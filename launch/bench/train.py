@@ -8,7 +8,11 @@ repeated, so no input pipeline cost), Keras `model.fit` with SGD + momentum:
 - one launch of N workers per configuration: `stock` is
   `tf.distribute.MultiWorkerMirroredStrategy` with only tfscale's Keras fix
   (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`; stock Keras 3 `fit` fails on 2+ workers without
-  it), so its gradients take TF's own all-reduce (one pack); the others are
+  it), so its gradients take TF's own all-reduce (one pack); `lockstep`
+  trains each worker alone but ends every step only when all have ended it
+  (one 4-byte all-reduce, no gradients): what synchronizing every step costs
+  on the same cores with nothing sent, the step a synchronous configuration
+  would take on a free link with free arithmetic; the others are
   `tfscale.Strategy` with an algorithm and compression.
 
 In every N-worker launch each worker first trains the same model alone (not
@@ -44,6 +48,8 @@ from tfscale.launch.bench import cluster
 from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
+# Configurations without a tfscale algorithm: one launch each, no threshold.
+_BASELINES = (cluster.STOCK, cluster.LOCKSTEP)
 
 
 def define_flags():
@@ -122,6 +128,10 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
             buckets = _run(outputs[0], precision, "distributed", "gradient_buckets")
             if buckets:
                 rows[-1]["gradient_buckets"] = buckets
+            joined = [_run(o, precision, "distributed", "lockstep_workers")
+                      for o in outputs]
+            if joined[0]:
+                rows[-1]["lockstep_workers"] = joined
             powersgd = _run(outputs[0], precision, "distributed", "powersgd")
             if powersgd:
                 rows[-1]["powersgd"] = powersgd
@@ -186,7 +196,8 @@ def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
     from tfscale import collectives
 
-    configs = cluster.configs(more_compressions=(collectives.powersgd.NAME,))
+    configs = cluster.configs(more_compressions=(collectives.powersgd.NAME,),
+                              more_baselines=(cluster.LOCKSTEP,))
     thresholds = fusion_thresholds()
     spec = {
         "command": "train", "model": FLAGS.model,
@@ -205,7 +216,7 @@ def main():
                                         "single", num_workers=1, emulate=False)
         launches, launch_thresholds = {}, {}
         for name, algorithm, compression, threshold in _launches(configs, thresholds):
-            kind = cluster.STOCK if algorithm == cluster.STOCK else "tfscale"
+            kind = algorithm if algorithm in _BASELINES else "tfscale"
             launches[name] = cluster.launch_workers(
                 dict(spec, kind=kind, name=name, algorithm=algorithm,
                      compression=compression, fusion_threshold_bytes=threshold),
@@ -237,6 +248,10 @@ def main():
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
           "on the machine; e vs compute = compute / step")
+    if any(algorithm == cluster.LOCKSTEP for _, algorithm, _ in configs):
+        print("# lockstep = every worker trains alone and waits for all the others "
+              "at the end of each step (a 4-byte all-reduce), sending no gradients: "
+              "what synchronizing every step costs on these cores with nothing sent")
     print("# in-step wait = exposed_communication_seconds per step (stock: its own "
           "all-reduce, timed alike): time from the last gradient ready to the last "
           "all-reduce done, median over steps of the least-waiting worker; "
@@ -290,12 +305,13 @@ def fusion_thresholds():
 
 
 def _launches(configs, thresholds):
-    """`[(name, algorithm, compression, threshold)]`: stock once (TF packs its
-    own), each tfscale configuration at each threshold, named `<config>@<size>`
+    """`[(name, algorithm, compression, threshold)]`: stock and lockstep once
+    (TF packs its own; lockstep sends no gradients), each tfscale
+    configuration at each threshold, named `<config>@<size>`
     when there is more than one."""
     out = []
     for name, algorithm, compression in configs:
-        if algorithm == cluster.STOCK:
+        if algorithm in _BASELINES:
             out.append((name, algorithm, compression, None))
             continue
         for threshold in thresholds:

@@ -2,11 +2,14 @@
 
 `spec["kind"]` says what it trains under: `"single"` (alone, no strategy),
 `"stock"` (`tfscale.strategy.KerasMultiWorkerMirroredStrategy`: TF's own
-all-reduce, with only the Keras 3 fix) or `"tfscale"` (`tfscale.Strategy`
-with the spec's algorithm and compression, PowerSGD's rank and start step). Both strategies time their
-all-reduces the same way (`exposed_communication_seconds`). Under a strategy
-a worker first trains the model alone, while the other workers do the same,
-then under the strategy; train.py turns the step times into rows.
+all-reduce, with only the Keras 3 fix), `"tfscale"` (`tfscale.Strategy`
+with the spec's algorithm and compression, PowerSGD's rank and start step)
+or `"lockstep"` (alone, but every worker waits for all the others at the end
+of each step: synchronous training without gradients). Both strategies time
+their all-reduces the same way (`exposed_communication_seconds`). Under a
+strategy a worker first trains the model alone, while the other workers do
+the same, then under the strategy (or in lockstep); train.py turns the step
+times into rows.
 """
 
 import contextlib
@@ -41,7 +44,10 @@ def measure(spec):
         barrier()
         runs.append({"precision": precision, "phase": "compute",
                      **_fit(spec, None)})
-        if strategy is not None:
+        if spec["kind"] == cluster.LOCKSTEP:
+            runs.append({"precision": precision, "phase": "distributed",
+                         **_fit_in_lockstep(spec, barrier)})
+        elif strategy is not None:
             barrier()
             runs.append({"precision": precision, "phase": "distributed",
                          **_fit(spec, strategy)})
@@ -54,8 +60,9 @@ def measure(spec):
 
 
 def _strategy(spec):
-    """The strategy `spec["kind"]` names, all-reduces timed; None for "single"."""
-    if spec["kind"] == cluster.STOCK:
+    """The strategy `spec["kind"]` names, all-reduces timed; None for "single"
+    (lockstep: stock's, for its barrier only)."""
+    if spec["kind"] in (cluster.STOCK, cluster.LOCKSTEP):
         return KerasMultiWorkerMirroredStrategy(time_all_reduces=True)
     if spec["kind"] == "tfscale":
         powersgd = None
@@ -72,7 +79,35 @@ def _strategy(spec):
     return None
 
 
-def _fit(spec, strategy):
+class _Lockstep(keras.callbacks.Callback):
+    """Ends each step when every worker has ended it: one all-reduce of 1.0
+    per step (`barrier`), whose sums, the workers that joined, it keeps."""
+
+    def __init__(self, barrier):
+        super().__init__()
+        self._barrier = barrier
+        self.workers_per_step = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.workers_per_step.append(float(self._barrier()[0]))
+
+
+def _fit_in_lockstep(spec, barrier):
+    """Timed steps of `model.fit` alone, each ended by `barrier` on every
+    worker: the step time with synchronization and no gradients sent.
+
+    Returns:
+        `{"step_seconds": [...], "lockstep_workers": [...]}`: per step, the
+        number of workers its barrier joined.
+    """
+    lockstep = _Lockstep(barrier)
+    barrier()
+    # The lockstep callback first: each step's time includes its barrier.
+    timed = _fit(spec, None, extra_callbacks=[lockstep])
+    return dict(timed, lockstep_workers=lockstep.workers_per_step[spec["warmup_steps"]:])
+
+
+def _fit(spec, strategy, extra_callbacks=()):
     """Timed steps of `model.fit`; alone when `strategy` is None.
 
     Returns:
@@ -100,7 +135,7 @@ def _fit(spec, strategy):
     warmup = spec["warmup_steps"] + (
         collectives.autotune.DECIDED_BY_STEP if autotune is not None else 0)
     model.fit(dataset, epochs=1, steps_per_epoch=warmup + spec["steps"],
-              callbacks=[timer], verbose=0)
+              callbacks=[*extra_callbacks, timer], verbose=0)
     timed = {"step_seconds": timer.step_seconds[warmup:]}
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
