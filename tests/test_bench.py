@@ -113,6 +113,12 @@ def test_train_reports_throughput_efficiency_and_exposed_communication_per_thres
     assert lockstep["efficiency_vs_contended_compute"] == pytest.approx(
         lockstep["compute_seconds"] / lockstep["step_seconds"])
     assert "# lockstep = every worker trains alone and waits for all the others" in stdout
+    # Every row's step against lockstep's, in the table too.
+    assert lockstep["efficiency_vs_lockstep"] == 1.0
+    for other in (stock, row, small):
+        assert other["efficiency_vs_lockstep"] == pytest.approx(
+            lockstep["step_seconds"] / other["step_seconds"])
+    assert re.search(r"e vs compute +e vs lockstep\n", stdout), stdout[-3000:]
     # Each tfscale configuration ran at each threshold, its buffers cut there.
     assert (row["config"], small["config"]) == ("ring+powersgd@32MiB", "ring+powersgd@64KiB")
     assert (row["fusion_threshold_bytes"], small["fusion_threshold_bytes"]) == (
