@@ -58,6 +58,9 @@ Environment of each worker, besides the launcher's own:
                             (like torchrun's TORCHELASTIC_RESTART_COUNT)
     CUDA_VISIBLE_DEVICES    with --gpus_per_node=K only: this worker's one
                             GPU, its local rank on its node (see launch/gpus.py)
+    TF_NUM_INTRAOP_THREADS  this worker's share of the machine's cores, cores
+                            // workers (at least 1), unless the launcher's
+                            environment sets it (see launch/threads.py)
 
     tfscale-launch --num_workers=8 --gpus_per_node=8 -- tfscale-train ...
 
@@ -88,6 +91,7 @@ from tfscale.launch import gpus
 from tfscale.launch import netns
 from tfscale.launch import ports
 from tfscale.launch import restarts
+from tfscale.launch import threads
 
 FLAGS = flags.FLAGS
 
@@ -390,6 +394,9 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
         return _command_not_found(command)
     policy = restarts.RestartPolicy(
         num_workers, max_restarts, min_workers, restart_window)
+    share = threads.describe(num_workers)
+    if share:
+        print(share, flush=True)
     start = time.monotonic()
     if emulate_nodes is not None:
         return _launch_emulated(
@@ -600,10 +607,11 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
     """
     slots = list(range(len(addresses))) if slots is None else slots
     envs = []
+    share = threads.worker_environment(len(addresses))
     for config, slot in zip(tf_configs(addresses), slots, strict=True):
         envs.append(dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1",
                          TFSCALE_SLOT=str(slot),
-                         TFSCALE_RESTART_COUNT=str(restart)))
+                         TFSCALE_RESTART_COUNT=str(restart), **share))
         if gpu_of_slot is not None:
             envs[-1]["CUDA_VISIBLE_DEVICES"] = gpu_of_slot(slot)
     try:

@@ -14,17 +14,19 @@ import pytest
 from multiworker import REPO_ROOT
 from multiworker import netns_not_permitted_reason
 from multiworker import WORKERS_DIR
+from tfscale.launch import threads
 
 pytestmark = pytest.mark.multiworker
 
 PROBE = os.path.join(WORKERS_DIR, "launch_probe.py")
 
 
-def launch(*args, timeout=120):
+def launch(*args, timeout=120, env=None):
     start = time.monotonic()
     process = subprocess.run(
         [sys.executable, "-m", "tfscale.launch.local", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
+        env=env,
     )
     return process, time.monotonic() - start
 
@@ -54,6 +56,22 @@ def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
     for index, config in configs.items():
         assert config["cluster"]["worker"] == addresses
         assert config["task"] == {"type": "worker", "index": index}
+
+
+def test_each_worker_gets_a_share_of_the_cores_unless_the_user_chose():
+    env = {k: v for k, v in os.environ.items() if k != threads.VARIABLE}
+    cores = threads.usable_cores()
+    share = str(max(1, cores // 3))
+    process, _ = launch("--num_workers=3", "--", sys.executable, PROBE, "ok", env=env)
+    assert process.returncode == 0, process.stderr
+    assert re.findall(r"\[worker \d\] intra_op_threads=(\S+)", process.stdout) == [share] * 3
+    assert (f"tfscale-launch: each worker gets TF_NUM_INTRAOP_THREADS={share} ({cores} "
+            "cores for 3 workers; set TF_NUM_INTRAOP_THREADS to choose).") in process.stdout
+    process, _ = launch("--num_workers=3", "--", sys.executable, PROBE, "ok",
+                        env=dict(env, TF_NUM_INTRAOP_THREADS="5"))
+    assert process.returncode == 0, process.stderr
+    assert re.findall(r"\[worker \d\] intra_op_threads=(\S+)", process.stdout) == ["5"] * 3
+    assert "each worker gets" not in process.stdout
 
 
 def test_a_failed_worker_stops_the_others_and_is_named():

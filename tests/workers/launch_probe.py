@@ -1,5 +1,5 @@
-"""A worker for the launcher tests: prints its TF_CONFIG, slot, restart count
-and CUDA_VISIBLE_DEVICES, then obeys argv.
+"""A worker for the launcher tests: prints its TF_CONFIG, slot, restart count,
+CUDA_VISIBLE_DEVICES and TF_NUM_INTRAOP_THREADS, then obeys argv.
 
     launch_probe.py ok            exit 0
     launch_probe.py fail INDEX    worker INDEX exits 3 at once, the others sleep
@@ -33,6 +33,7 @@ print(f"pid={os.getpid()} tf_config={json.dumps(config)}", flush=True)
 print(f"slot={slot} restart={restart}", flush=True)
 print(f"cuda_visible_devices={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
       flush=True)
+print(f"intra_op_threads={os.environ.get('TF_NUM_INTRAOP_THREADS', '(unset)')}", flush=True)
 mode = sys.argv[1]
 if mode == "ok":
     sys.exit(0)
