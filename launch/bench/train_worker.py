@@ -80,8 +80,8 @@ def _strategy(spec):
 
 
 class _Lockstep(keras.callbacks.Callback):
-    """Ends each step when every worker has ended it: one all-reduce of 1.0
-    per step (`barrier`), whose sums, the workers that joined, it keeps."""
+    """Ends each step when every worker has ended it (`barrier`: one
+    all-reduce of 1.0) and keeps each step's sum, the workers that joined."""
 
     def __init__(self, barrier):
         super().__init__()
