@@ -31,9 +31,8 @@ def test_the_share_is_cores_over_workers_at_least_one_unless_set():
 
 
 def _threads_of_tensorflow(intra_op_threads):
-    env = {"PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    if intra_op_threads is not None:
-        env["TF_NUM_INTRAOP_THREADS"] = str(intra_op_threads)
+    env = {"PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "TF_NUM_INTRAOP_THREADS": str(intra_op_threads)}
     out = subprocess.run([sys.executable, "-c", _COUNT_THREADS], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     return int(out.stdout.split()[-1])

@@ -44,13 +44,11 @@ def measure(spec):
         barrier()
         runs.append({"precision": precision, "phase": "compute",
                      **_fit(spec, None)})
-        if spec["kind"] == cluster.LOCKSTEP:
-            runs.append({"precision": precision, "phase": "distributed",
-                         **_fit_in_lockstep(spec, barrier)})
-        elif strategy is not None:
+        if strategy is not None:
             barrier()
-            runs.append({"precision": precision, "phase": "distributed",
-                         **_fit(spec, strategy)})
+            timed = (_fit_in_lockstep(spec, barrier) if spec["kind"] == cluster.LOCKSTEP
+                     else _fit(spec, strategy))
+            runs.append({"precision": precision, "phase": "distributed", **timed})
         if rank == 0:
             print(f"{spec['name']} {precision}: " + ", ".join(
                 f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
@@ -101,7 +99,6 @@ def _fit_in_lockstep(spec, barrier):
         number of workers its barrier joined.
     """
     lockstep = _Lockstep(barrier)
-    barrier()
     # The lockstep callback first: each step's time includes its barrier.
     timed = _fit(spec, None, extra_callbacks=[lockstep])
     return dict(timed, lockstep_workers=lockstep.workers_per_step[spec["warmup_steps"]:])
