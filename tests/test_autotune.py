@@ -109,9 +109,11 @@ def test_a_stored_threshold_is_restored_with_the_choice(tmp_path):
     tuner = autotune.AutoTuner(directory=tmp_path, is_chief=True)
     plan = autotune.TunedPlan("f #0; y", 0, 0, ("ring", "2d"), (None,) * 3, None,
                               thresholds=(4800, 1200), bucket_thresholds=(0, 1, 1))
-    assert plan.trial_steps == 2 * 2 * (autotune.ROUNDS + 1)
+    # The candidates' trials at each threshold, then (1200 bytes makes two
+    # buckets that may differ) the mix's.
+    assert plan.mixes and plan.trial_steps == 2 * 2 * (autotune.ROUNDS + 1) + 2 * autotune.ROUNDS
     tuner.report(plan, np.array([0, 1, 0]), np.full([3, 2], 0.004), threshold=1,
-                 spans=np.array([[0.03, 0.05], [0.02, 0.04]]))
+                 spans=np.array([[0.03, 0.05, 0.04], [0.02, 0.04, 0.01]]))
     (entry,) = json.loads((tmp_path / autotune.FILE_NAME).read_text())["plans"]
     assert entry["fusion_threshold_bytes"] == 1200 and entry["threshold_index"] == 1
     again = autotune.AutoTuner(directory=tmp_path, is_chief=True).tuned_plan(
@@ -132,7 +134,7 @@ def test_auto_tries_a_quarter_of_the_fusion_threshold_where_it_cuts_otherwise():
     assert "Case" in _traced_op_types(all_reduce, world)
     (plan,) = all_reduce.autotuner.plans.values()
     assert plan.thresholds == (4800, 1200) and plan.bucket_thresholds == (0, 1, 1)
-    assert plan.trial_steps == 2 * 3 * (autotune.ROUNDS + 1)
+    assert plan.trial_steps == 2 * 3 * (autotune.ROUNDS + 1) + 2 * autotune.ROUNDS
     assert autotune.DECIDED_BY_STEP == plan.trial_steps + 1
     zero, _ = _auto_on_two_nodes(fusion_threshold_bytes=0)
     assert zero.threshold_plans(inputs)[0] == (0,)
@@ -153,7 +155,7 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     autotune_dir = tmp_path / "model_dir"
     run = multiworker.run_workers(
         "autotune_fit.py", 4, tmp_path,
-        args=[f"--autotune_dir={autotune_dir}", "--steps=21"], timeout=300)
+        args=[f"--autotune_dir={autotune_dir}", "--steps=24"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
     names = ("ring", "default", "restarted", "default+powersgd")
@@ -167,7 +169,7 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
 
     # The gradients' plan: 1 bucket at 1024 bytes, 2 at 256; 3 candidates;
-    # 18 trial steps, decided.
+    # 18 steps of their trials, 4 of each bucket's fastest together, decided.
     def gradients(result):
         (plan,) = [p for p in result["autotune"] if p["fusion_thresholds"] == [1024, 256]]
         return plan
@@ -178,25 +180,31 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     tuned = [gradients(r["default"]) for r in results]
     assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
         "ring", "hierarchical", "2d"}
-    assert tuned[0]["steps"] == 21
+    assert tuned[0]["steps"] == 24
     for plan in tuned:
         assert plan["choices"] == tuned[0]["choices"]  # one choice everywhere
         assert plan["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
         # Each candidate timed on each bucket, and the call at each
-        # threshold with each candidate, in the timed rounds.
+        # threshold with each candidate and with the mix, in the timed rounds.
         assert np.all(np.asarray(plan["seconds"]) > 0), plan["seconds"]
         assert np.all(np.asarray(plan["span_seconds"]) > 0), plan["span_seconds"]
-    # The call kept the threshold whose best candidate had the least span,
+        assert np.all(np.asarray(plan["mix_span_seconds"]) > 0), plan["mix_span_seconds"]
+    # The call kept the threshold and the configuration (one candidate for
+    # every bucket, or the mix: each bucket its fastest) with the least span,
     # per round the least over the workers, summed over the rounds.
-    spans = np.min([plan["span_seconds"] for plan in tuned], axis=0).sum(axis=2)
-    assert tuned[0]["fusion_threshold_bytes"] == [1024, 256][
-        int(np.argmin(spans.min(axis=1)))], spans
+    spans = np.min([np.concatenate([plan["span_seconds"],
+                                    np.asarray(plan["mix_span_seconds"])[:, None]], axis=1)
+                    for plan in tuned], axis=0).sum(axis=2)
+    threshold, configuration = np.unravel_index(np.argmin(spans), spans.shape)
+    assert tuned[0]["fusion_threshold_bytes"] == [1024, 256][threshold], spans
     assert len(tuned[0]["choices"]) == {1024: 1, 256: 2}[tuned[0]["fusion_threshold_bytes"]]
-    # Each bucket kept its fastest candidate: per round the least time over
-    # the workers (about the worker ready last), summed over the rounds.
+    # A bucket's fastest: per round the least time over the workers (about
+    # the worker ready last), summed over the rounds.
     least = np.min([plan["seconds"] for plan in tuned], axis=0).sum(axis=2)
-    assert tuned[0]["choices"] == [tuned[0]["candidates"][i]
-                                   for i in np.argmin(least, axis=1)], least
+    fastest = [tuned[0]["candidates"][i] for i in np.argmin(least, axis=1)]
+    assert tuned[0]["choices"] == (
+        fastest if configuration == 3
+        else [tuned[0]["candidates"][configuration]] * len(fastest)), (spans, least)
     # The chief stored it; the restarted job took it and tried nothing.
     stored = run.results[0]["stored"]
     (entry,) = [p for p in stored["plans"] if "fusion_threshold_bytes" in p]
@@ -209,11 +217,12 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert restarted["choices"] == tuned[0]["choices"]
         assert restarted["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
         assert not np.any(restarted["seconds"]) and not np.any(restarted["span_seconds"])
+        assert not np.any(restarted["mix_span_seconds"])
     # PowerSGD under the default: the all-reduces of its compressed steps
-    # (from step 2 on, 10 calls each: the factors' and the uncompressed
+    # (from step 2 on, 12 calls each: the factors' and the uncompressed
     # biases') tried the candidates and chose, alike on every worker.
     powersgd = [r["default+powersgd"]["autotune"] for r in results]
-    compressed = [p for p in powersgd[0] if p["steps"] == 10]
+    compressed = [p for p in powersgd[0] if p["steps"] == 12]
     assert len(compressed) >= 2, powersgd[0]
     for plan in compressed:
         assert set(plan["candidates"]) == {"ring", "hierarchical", "2d"}
@@ -222,7 +231,7 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert [p["choices"] for p in plans] == [p["choices"] for p in powersgd[0]]
     assert np.all(np.isfinite(_flat(results[0]["default+powersgd"]["weights"])))
     chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
-    assert any("tfscale autotune: " in l and "chose after 18 trial steps" in l
+    assert any("tfscale autotune: " in l and "chose after 22 trial steps" in l
                for l in chief)
     assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
                "bytes (2 bucket(s)) take turns" in l for l in chief)

@@ -425,9 +425,9 @@ FIT_CONFIGS = {
     3: ["ring", "hierarchical", "hybrid", "halving_doubling", "default",
         "default+float16"],
 }
-# 3 workers: auto's 12 trial steps (2 candidates at 2 fusion thresholds)
-# and its decision.
-FIT_STEPS = {4: 6, 3: 13}
+# 3 workers: auto's 16 trial steps (2 candidates at 2 fusion thresholds,
+# then each bucket's fastest together at both) and its decision.
+FIT_STEPS = {4: 6, 3: 17}
 
 
 @pytest.fixture(scope="module")
@@ -497,15 +497,17 @@ def test_fit_by_default_tunes_ring_against_hierarchical_and_two_thresholds_on_no
         return plan
 
     # The two algorithms that differ here (2d needs equal nodes) at both
-    # thresholds, each timed in the trial steps (12), then one threshold and
-    # one choice per bucket in the 13th step, the same on every worker.
+    # thresholds, each timed in the candidates' trial steps (12), then each
+    # bucket's fastest together (4), then one threshold and one choice per
+    # bucket in the 17th step, the same on every worker.
     plan = gradients(results[0])
     assert sorted(plan["candidates"]) == ["hierarchical", "ring"]
-    assert plan["steps"] == 13
+    assert plan["steps"] == 17
     assert len(plan["choices"]) == {256: 2, 64: 3}[plan["fusion_threshold_bytes"]]
     for result in results:
         assert np.all(np.asarray(gradients(result)["seconds"]) > 0)
         assert np.all(np.asarray(gradients(result)["span_seconds"]) > 0)
+        assert np.all(np.asarray(gradients(result)["mix_span_seconds"]) > 0)
         assert gradients(result)["choices"] == plan["choices"]
         assert gradients(result)["fusion_threshold_bytes"] == plan["fusion_threshold_bytes"]
 

@@ -156,19 +156,21 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
 
 def _least_trials(reports):
     """The chief's autotune report with each (bucket, candidate)'s trial
-    milliseconds, and each (threshold, candidate)'s span, as every worker
-    chose by: per timed round the least over the workers, averaged over
-    the rounds."""
+    milliseconds, each (threshold, candidate)'s span and each threshold's
+    with each bucket its fastest, as every worker chose by: per timed round
+    the least over the workers, averaged over the rounds."""
     merged = []
     for plans in zip(*reports, strict=True):  # every worker traced its plans alike
         if len({p["call"] for p in plans}) != 1:
             raise RuntimeError(f"Workers report different all-reduces: {plans}")
-        least = np.min([p["round_milliseconds"] for p in plans], axis=0)
-        spans = np.min([p["span_round_milliseconds"] for p in plans], axis=0)
+        rounds = {key: np.min([p[f"{key}round_milliseconds"] for p in plans], axis=0)
+                  for key in ("", "span_", "mix_span_")}
         merged.append({k: v for k, v in plans[0].items()
-                       if k not in ("round_milliseconds", "span_round_milliseconds")}
-                      | {"trial_milliseconds": least.mean(axis=2).round(1).tolist(),
-                         "span_milliseconds": spans.mean(axis=2).round(1).tolist()})
+                       if not k.endswith("round_milliseconds")}
+                      | {"trial_milliseconds": rounds[""].mean(axis=2).round(1).tolist(),
+                         "span_milliseconds": rounds["span_"].mean(axis=2).round(1).tolist(),
+                         "mix_span_milliseconds":
+                             rounds["mix_span_"].mean(axis=1).round(1).tolist()})
     return merged
 
 
@@ -333,14 +335,21 @@ def _launches(configs, thresholds):
 
 
 def _threshold_text(plan):
-    """'fusion threshold 8 MiB (of 32 MiB, 8 MiB; spans 7586, 7718 ms; 6722,
-    6896 ms): ' where auto tried several thresholds; else ''."""
-    if len(plan["fusion_thresholds"]) == 1:
+    """'fusion threshold 8 MiB (of 32 MiB, 8 MiB; spans 2d 7586, ring 7718,
+    mix 7400 ms; 2d 6722, ring 6896, mix 6950 ms): ' where auto tried
+    several thresholds; 'spans 2d 310, ring 290, mix 280 ms: ' where it
+    timed one threshold's calls whole to weigh its buckets' mix; else ''."""
+    mixes = any(plan["mix_span_milliseconds"])
+    if len(plan["fusion_thresholds"]) == 1 and not mixes:
         return ""
+    names = plan["candidates"] + ["mix"] * mixes
+    spans = "; ".join(", ".join(f"{a} {ms:.0f}" for a, ms in zip(
+        names, [*per_candidate, mix])) + " ms" for per_candidate, mix in zip(
+            plan["span_milliseconds"], plan["mix_span_milliseconds"]))
+    if len(plan["fusion_thresholds"]) == 1:
+        return f"spans {spans}: "
     chosen = plan["fusion_threshold_bytes"]
     tried = ", ".join(stats.human_bytes(t) for t in plan["fusion_thresholds"])
-    spans = "; ".join(", ".join(f"{ms:.0f}" for ms in per_candidate) + " ms"
-                      for per_candidate in plan["span_milliseconds"])
     return (f"fusion threshold {'not decided' if chosen is None else stats.human_bytes(chosen)}"
             f" (of {tried}; spans {spans}): ")
 

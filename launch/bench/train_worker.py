@@ -152,14 +152,17 @@ def _autotune_report(autotune):
     """Each all-reduce's candidates, its choice per bucket, and each
     (bucket, candidate, timed round)'s trial milliseconds on this worker;
     its fusion thresholds, the chosen one and each (threshold, candidate,
-    round)'s span (train.py merges the workers' as they chose by)."""
+    round)'s span, and each (threshold, round)'s with each bucket its
+    fastest (train.py merges the workers' as they chose by)."""
     return [{"call": key.split(";")[0], "candidates": plan["candidates"],
              "choices": plan["choices"],
              "fusion_thresholds": plan["fusion_thresholds"],
              "fusion_threshold_bytes": plan["fusion_threshold_bytes"],
              "round_milliseconds": (np.asarray(plan["seconds"]) * 1e3).round(1).tolist(),
              "span_round_milliseconds": (
-                 np.asarray(plan["span_seconds"]) * 1e3).round(1).tolist()}
+                 np.asarray(plan["span_seconds"]) * 1e3).round(1).tolist(),
+             "mix_span_round_milliseconds": (
+                 np.asarray(plan["mix_span_seconds"]) * 1e3).round(1).tolist()}
             for key, plan in autotune.choices().items()]
 
 

@@ -324,11 +324,12 @@ class AllReduce:
         def reduce_fn(backward):
             groups = self.groups(world)
             call = tuning and self.autotuner.begin(tuning, groups.world)
-            if len(plans) == 1:
+            if tuning is None or not tuning.times_spans:
                 return fused_all_reduce(
                     backward, groups, buckets, self.compression,
                     note=note if self.note else None, tuning_call=call)
-            # Several thresholds: each plan traced, a step runs one.
+            # Several thresholds: each plan traced, a step runs one; the
+            # call timed whole (one plan alike, to weigh its buckets' mix).
             first_ready = graph_order.unordered(
                 timeline_stamps.TimelineStamps.stamp([backward[0]]))
             return call.select(first_ready, [
@@ -375,13 +376,15 @@ class AllReduce:
                     f"{t:,} bytes ({len(p)} bucket(s))" for t, p in zip(tuning.thresholds, plans))
                 + f" take turns for the first {tuning.trial_steps} calls, each bucket "
                 f"trying {', '.join(tuning.candidates)} in turn (1 warm-up + "
-                f"{autotune_lib.ROUNDS} timed each); then the call keeps the threshold "
-                "with the least span, each bucket its fastest; the plan at the given "
-                "threshold")
+                f"{autotune_lib.ROUNDS} timed each){self._mix_text(tuning)}; then the "
+                "call keeps the threshold and the configuration with the least span; "
+                "the plan at the given threshold")
         elif tuning is not None:
             threshold = (f", auto: each bucket tries {', '.join(tuning.candidates)} in "
                          f"turn for its first {tuning.trial_steps} calls (1 warm-up + "
-                         f"{autotune_lib.ROUNDS} timed each), then keeps its fastest")
+                         f"{autotune_lib.ROUNDS} timed each){self._mix_text(tuning)}, "
+                         "then keeps " + ("the one with the least span" if tuning.mixes
+                                          else "its fastest"))
         elif self.algorithm == autotune_lib.NAME and untried:
             threshold = (", auto: the cost model's choice, no trials (inside XLA, "
                          "under op determinism, or beyond the tuner's limits)")
@@ -399,6 +402,14 @@ class AllReduce:
             threshold, ", through NCCL" if self.implementation == "nccl" else "",
             len(listed), describe_plan(listed),
         )
+
+    @staticmethod
+    def _mix_text(tuning):
+        """How a plan whose buckets can mix candidates weighs the mix."""
+        if not tuning.mixes:
+            return ""
+        return (f", then {autotune_lib.ROUNDS} timed with each bucket its fastest "
+                "(against one candidate for all)")
 
     @staticmethod
     def _stored_choices(plans, tuning):

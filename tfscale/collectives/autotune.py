@@ -32,25 +32,37 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   all-reduce backprop hides, which no single bucket shows. All buckets run
   the same candidate in a step, so each bucket is timed beside the same
   traffic.
-- Decision, in the first step after the trials, on every worker at once:
-  one all-reduce takes each (bucket, candidate, round) time's minimum over
-  the workers, and each bucket takes the candidate with the least sum over
-  the rounds (the first in the cost model's order on a tie), and the call
-  the threshold whose best candidate had the least span (the same least
-  over the workers, summed over the rounds; the given threshold on a
-  tie). In one round
-  the minimum is about the worker whose tensors were ready last: no
-  algorithm can start before it, so its time is mostly the algorithm's
-  own, where an earlier worker's also counts its wait for the others (the
-  skew between workers, which differs from step to step: with 4 workers
-  on 2 cores hundreds of milliseconds, enough to keep a candidate 10 x
-  slower for a small bucket when the maximum was taken). Per round,
-  because the last worker differs between rounds. Where workers play
-  different roles the minimum favours the light ones: a worker alone in
-  its node skips hierarchical's broadcast inside a node, so on unequal
-  nodes hierarchical's time is low by about that broadcast. Every worker
-  computes it from the same all-reduced numbers, so every worker picks the
-  same.
+- Each bucket's fastest, in the first step after those trials, on every
+  worker at once: one all-reduce takes each (bucket, candidate, round)
+  time's minimum over the workers, and each bucket takes the candidate
+  with the least sum over the rounds (the first in the cost model's order
+  on a tie). In one round the minimum is about the worker whose tensors
+  were ready last: no algorithm can start before it, so its time is mostly
+  the algorithm's own, where an earlier worker's also counts its wait for
+  the others (the skew between workers, which differs from step to step:
+  with 4 workers on 2 cores hundreds of milliseconds, enough to keep a
+  candidate 10 x slower for a small bucket when the maximum was taken).
+  Per round, because the last worker differs between rounds. Where workers
+  play different roles the minimum favours the light ones: a worker alone
+  in its node skips hierarchical's broadcast inside a node, so on unequal
+  nodes hierarchical's time is low by about that broadcast.
+- The mix measured: where a plan's buckets could take different candidates,
+  that mix (each bucket its fastest) is a configuration no trial ran, and
+  a bucket's time counts its wait behind the others on the link, so the
+  buckets' fastest together can be slower than one candidate for all
+  (BENCHMARKS.md section 12, ResNet-50 on the emulated 2 x 2 cluster with
+  AVX-512, in one run: 8 MiB buckets mostly by hierarchical 5514 ms a step,
+  all by hierarchical 5183 ms, all by 2d 5113 ms). So the next K * ROUNDS
+  steps run the mix at each threshold in turn, its span timed as the
+  candidates' were.
+- Decision, in the step after the mix's (after the trials where no bucket
+  could differ from another), on every worker at once: the spans' least
+  over the workers per
+  round, summed over the rounds; the call keeps the threshold and the
+  configuration (one candidate for all its buckets, or the mix) with the
+  least (the given threshold, then the cost model's order, then the mix on
+  a tie). Every worker computes it from the same all-reduced numbers, so
+  every worker picks the same.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
   the stored choice to every worker in its first step and tries nothing.
@@ -97,16 +109,18 @@ CHOICES = ("ring", "hierarchical", "2d")
 FUSION_DIVISORS = (1, 4)
 
 
-def trial_steps(num_candidates, num_thresholds=1):
+def trial_steps(num_candidates, num_thresholds=1, mixes=False):
     """Steps a call with `num_candidates` candidates and `num_thresholds`
-    fusion thresholds spends on its trials."""
-    return num_thresholds * num_candidates * (ROUNDS + 1)
+    fusion thresholds spends on its trials: each candidate's, then, where
+    its buckets `mixes` candidates, the mix's."""
+    mix = num_thresholds * ROUNDS if mixes else 0
+    return num_thresholds * num_candidates * (ROUNDS + 1) + mix
 
 
 # Steps before every plan has run its trials (at most all of CHOICES at
-# each threshold) and the step that decides: from this step index on, each
-# runs its choice alone.
-DECIDED_BY_STEP = trial_steps(len(CHOICES), len(FUSION_DIVISORS)) + 1
+# each threshold, and the mix) and the step that decides: from this step
+# index on, each runs its choice alone.
+DECIDED_BY_STEP = trial_steps(len(CHOICES), len(FUSION_DIVISORS), mixes=True) + 1
 
 
 def fusion_thresholds(given):
@@ -155,8 +169,28 @@ class TunedPlan:
         return len(self.fixed)
 
     @property
-    def trial_steps(self):
+    def mixes(self):
+        """Whether its buckets can take different candidates: several
+        candidates, and a threshold's plan with two buckets trying them."""
+        return len(self.candidates) > 1 and any(
+            sum(self.fixed[b] is None for b in self.buckets_of(t)) > 1
+            for t in range(len(self.thresholds)))
+
+    @property
+    def candidate_steps(self):
+        """The steps of the candidates' trials, before the mix's."""
         return trial_steps(len(self.candidates), len(self.thresholds))
+
+    @property
+    def trial_steps(self):
+        """All its trial steps: the candidates', then the mix's."""
+        return trial_steps(len(self.candidates), len(self.thresholds), self.mixes)
+
+    @property
+    def times_spans(self):
+        """Whether its calls are timed whole: the spans choose between
+        thresholds, or between the mix and one candidate for all."""
+        return len(self.thresholds) > 1 or self.mixes
 
     def buckets_of(self, threshold):
         """The rows (relative to `offset`) of threshold number `threshold`."""
@@ -194,9 +228,10 @@ class AutoTuner:
             # Each plan's chosen threshold (its index in the plan's list).
             self.threshold = tf.Variable(tf.zeros([MAX_PLANS], tf.int32),
                                          trainable=False, name="autotune_threshold")
-            # Seconds of each plan's span per threshold, candidate and round.
+            # Seconds of each plan's span per threshold, candidate (the
+            # plan's C candidates, then, in column C, the mix) and round.
             self.span_seconds = tf.Variable(
-                tf.zeros([MAX_PLANS, len(FUSION_DIVISORS), len(CHOICES), ROUNDS],
+                tf.zeros([MAX_PLANS, len(FUSION_DIVISORS), len(CHOICES) + 1, ROUNDS],
                          tf.float32), trainable=False, name="autotune_span_seconds")
         # The chief's stored choices by key; what it decides is added.
         self._stored = self._load() if is_chief else {}
@@ -293,11 +328,12 @@ class AutoTuner:
 
     def begin(self, plan, world):
         """Traces the start of one call of `plan`: the agreement on a stored
-        choice (first step), the decision (first step after the trials);
-        returns a `Call` whose `run` picks each bucket's algorithm (and
-        `select` each tensor's threshold)."""
+        choice (first step), each bucket's fastest (first step after the
+        candidates' trials, where it mixes), the decision (first step after
+        all trials); returns a `Call` whose `run` picks each bucket's
+        algorithm (and `select` each tensor's threshold)."""
         step = self.steps[plan.number]
-        trial_steps = plan.trial_steps
+        candidate_steps, trial_steps = plan.candidate_steps, plan.trial_steps
         rows = tf.range(plan.offset, plan.offset + plan.num_buckets)
         num_candidates, num_thresholds = len(plan.candidates), len(plan.thresholds)
         plan_threshold = self.threshold[plan.number]
@@ -320,24 +356,48 @@ class AutoTuner:
                                           self._set_threshold(plan, threshold)]):
                 return tf.identity(choice), tf.identity(threshold), stored
 
-        def decide():
+        def least_over_workers():
+            """Each bucket's (least over the workers, summed over the rounds)
+            seconds per candidate, each (threshold, candidate and mix)'s
+            span alike, and each bucket's fastest candidate."""
             buckets = tf.gather(self.seconds, rows)[:, :num_candidates]
-            spans = self.span_seconds[plan.number, :num_thresholds, :num_candidates]
+            spans = self.span_seconds[plan.number, :num_thresholds, :num_candidates + 1]
             least = world.all_reduce(tf.concat(
                 [tf.reshape(buckets, [-1]), tf.reshape(spans, [-1])], 0), merge_op="Min")
             split = plan.num_buckets * num_candidates * ROUNDS
             least_buckets = tf.reduce_sum(tf.reshape(
                 least[:split], [plan.num_buckets, num_candidates, ROUNDS]), axis=2)
             least_spans = tf.reduce_sum(tf.reshape(
-                least[split:], [num_thresholds, num_candidates, ROUNDS]), axis=2)
-            choice = tf.argmin(least_buckets, axis=1, output_type=tf.int32)
-            threshold = tf.argmin(tf.reduce_min(least_spans, axis=1), output_type=tf.int32)
+                least[split:], [num_thresholds, num_candidates + 1, ROUNDS]), axis=2)
+            fastest = tf.argmin(least_buckets, axis=1, output_type=tf.int32)
+            return least_buckets, least_spans, fastest
+
+        def mix():
+            _, _, fastest = least_over_workers()
+            with tf.control_dependencies([self._set(rows, fastest)]):
+                return tf.identity(fastest), plan_threshold, tf.constant(False)
+
+        def decide():
+            least_buckets, least_spans, fastest = least_over_workers()
+            if plan.mixes:
+                # The least span; on a tie the given threshold, then the
+                # cost model's order, then the mix.
+                best = tf.argmin(tf.reshape(least_spans, [-1]), output_type=tf.int32)
+                threshold = best // (num_candidates + 1)
+                configuration = best % (num_candidates + 1)
+                choice = tf.where(configuration < num_candidates,
+                                  tf.fill([plan.num_buckets], configuration), fastest)
+            else:  # at most one bucket tries per threshold: its fastest
+                threshold = tf.argmin(tf.reduce_min(least_spans[:, :num_candidates], axis=1),
+                                      output_type=tf.int32)
+                choice = fastest
             done = [self._set(rows, choice), self._set_threshold(plan, threshold)]
             if self.is_chief:
                 done.append(tf.py_function(
-                    lambda c, t, s, p: self.report(
-                        plan, c.numpy(), s.numpy(), int(t.numpy()), p.numpy()) or 0,
-                    [choice, threshold, least_buckets, least_spans], tf.int32))
+                    lambda c, t, s, p, f: self.report(
+                        plan, c.numpy(), s.numpy(), int(t.numpy()), p.numpy(),
+                        f.numpy()) or 0,
+                    [choice, threshold, least_buckets, least_spans, fastest], tf.int32))
             with tf.control_dependencies(done):
                 return tf.identity(choice), tf.identity(threshold), tf.constant(False)
 
@@ -347,26 +407,37 @@ class AutoTuner:
         # leaves the buckets' collectives on one group unchained (with a
         # fixed algorithm, the group's ordering token chains them): all the
         # candidates are timed, and the choice runs, that way.
+        branches = [agree_on_stored, decide, read]
         branch = tf.where(tf.equal(step, 0), 0, tf.where(tf.equal(step, trial_steps), 1, 2))
-        chosen, chosen_threshold, stored = tf.switch_case(
-            branch, [agree_on_stored, decide, read])
+        if plan.mixes:
+            branches.append(mix)
+            branch = tf.where(tf.equal(step, candidate_steps), 3, branch)
+        chosen, chosen_threshold, stored = tf.switch_case(branch, branches)
         graph_order.unordered_case(chosen)
-        trying = tf.logical_and(step < trial_steps, tf.logical_not(stored))
-        # Each threshold's step: its first C warm up, then ROUNDS of C timed.
+        trying = tf.logical_and(step < candidate_steps, tf.logical_not(stored))
+        mixing = tf.logical_and(
+            tf.logical_and(step >= candidate_steps, step < trial_steps), tf.logical_not(stored))
+        # Each threshold's step: its first C warm up, then ROUNDS of C timed;
+        # then, where it mixes, ROUNDS of the mix.
         own_step = step // num_thresholds
         timed = tf.logical_and(trying, own_step >= num_candidates)
         trial_round = tf.cast(tf.clip_by_value(own_step // num_candidates - 1, 0, ROUNDS - 1),
                               tf.int32)
+        mix_round = tf.cast(tf.clip_by_value(
+            (step - candidate_steps) // num_thresholds, 0, ROUNDS - 1), tf.int32)
         self.steps[plan.number].assign(
             tf.where(stored, tf.constant(trial_steps + 1, tf.int64), step + 1))
         candidate = tf.cast(own_step % num_candidates, tf.int32)
-        threshold = tf.where(trying, tf.cast(step % num_thresholds, tf.int32),
-                             chosen_threshold)
+        threshold = tf.where(tf.logical_or(trying, mixing),
+                             tf.cast(step % num_thresholds, tf.int32), chosen_threshold)
         choice = tf.where(trying, candidate, chosen)
         # A bucket of another threshold's plan skips (branch C).
         choice = tf.where(tf.equal(tf.constant(plan.bucket_thresholds, tf.int32), threshold),
                           choice, num_candidates)
-        return Call(self, plan, choice, timed, trial_round, threshold, candidate)
+        return Call(self, plan, choice, timed, trial_round, threshold,
+                    span_timed=tf.logical_or(timed, mixing),
+                    span_at=tf.where(mixing, tf.stack([num_candidates, mix_round]),
+                                     tf.stack([candidate, trial_round])))
 
     def _set(self, rows, choice, variable=None):
         """The op writing `choice` to the rows of `variable` (`chosen`)."""
@@ -378,7 +449,7 @@ class AutoTuner:
         """The op writing `plan`'s chosen threshold."""
         return self._set(tf.constant([plan.number]), threshold[None], self.threshold)
 
-    def report(self, plan, choice, least, threshold=0, spans=None):
+    def report(self, plan, choice, least, threshold=0, spans=None, fastest=None):
         """Logs the decision and stores it (the chief, once per plan). Runs
         inside the step: a file it cannot write is a warning, not a failure
         of the chief's step that would leave the others waiting.
@@ -387,27 +458,36 @@ class AutoTuner:
             choice: each bucket's candidate index.
             least: seconds per bucket and candidate, summed over the rounds.
             threshold: the chosen threshold's index.
-            spans: seconds of the call per threshold and candidate, summed
-                over the rounds (several thresholds only).
+            spans: seconds of the call per threshold and candidate (and, in
+                a last column, the mix), summed over the rounds (where the
+                plan times its calls whole).
+            fastest: each bucket's fastest candidate (its index), if it is
+                not `choice` (one candidate's span beat the mix's).
         """
-        def times(seconds):  # each candidate's mean milliseconds
-            return ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms"
-                             for a, s in zip(plan.candidates, seconds))
+        fastest = choice if fastest is None else fastest
+        names = list(plan.candidates) + ["each bucket its fastest"] * plan.mixes
+
+        def times(seconds, names=plan.candidates):  # mean milliseconds each
+            return ", ".join(f"{a} {s / ROUNDS * 1e3:.1f} ms" for a, s in zip(names, seconds))
 
         lines = []
-        if len(plan.thresholds) > 1:
+        if plan.times_spans:
             for t, (size, seconds) in enumerate(zip(plan.thresholds, spans)):
-                lines.append(f"  fusion threshold {size:,} bytes "
-                             f"({len(plan.buckets_of(t))} bucket(s)), the call from its "
-                             f"first gradient to its last result: {times(seconds)}"
+                at = (f"fusion threshold {size:,} bytes ({len(plan.buckets_of(t))} "
+                      "bucket(s)), " if len(plan.thresholds) > 1 else "")
+                lines.append(f"  {at}the call from its first gradient to its last "
+                             f"result: {times(seconds, names)}"
                              + (" -> chosen" if t == threshold else ""))
         for number, bucket in enumerate(plan.buckets_of(threshold)):
-            c, seconds = choice[bucket], least[bucket]
             if plan.fixed[bucket] is not None:
                 lines.append(f"  bucket {number}: {plan.fixed[bucket]} (its size is "
                              "known only at run time)")
                 continue
-            lines.append(f"  bucket {number}: {times(seconds)} -> {plan.candidates[c]}")
+            lines.append(f"  bucket {number}: {times(least[bucket])} -> "
+                         f"{plan.candidates[fastest[bucket]]}")
+        if list(choice) != list(fastest):
+            lines.append(f"  every bucket takes {plan.candidates[choice[0]]}: its span "
+                         "was less than each bucket's fastest together")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its tensors ready to its result, mean of %d steps, "
                      "least over the workers in each):\n%s", plan.key.split(";")[0],
@@ -419,7 +499,7 @@ class AutoTuner:
                 "key": plan.key, "candidates": list(plan.candidates),
                 "choices": self._names(plan, choice),
                 "milliseconds": (np.asarray(least) / ROUNDS * 1e3).round(3).tolist()}
-            if len(plan.thresholds) > 1:
+            if plan.times_spans:
                 self._stored[plan.key].update(
                     threshold_index=threshold,
                     fusion_threshold_bytes=plan.thresholds[threshold],
@@ -443,7 +523,9 @@ class AutoTuner:
         threshold, candidate and timed round), "fusion_thresholds" (bytes
         tried, one where one plan), "fusion_threshold_bytes" (the chosen one),
         "span_seconds" (this worker's, per threshold, candidate and
-        round)}}`. Before the decision the given threshold's buckets."""
+        round), "mix_span_seconds" (this worker's, per threshold and round:
+        each bucket its fastest; zeros where it does not mix)}}`. Before the
+        decision the given threshold's buckets."""
         steps = self.steps.numpy()
         chosen = self.chosen.numpy()
         seconds = self.seconds.numpy()
@@ -463,7 +545,9 @@ class AutoTuner:
                 "fusion_thresholds": list(plan.thresholds),
                 "fusion_threshold_bytes": plan.thresholds[threshold] if decided else None,
                 "span_seconds": spans[plan.number, :len(plan.thresholds),
-                                      :len(plan.candidates)].tolist()}
+                                      :len(plan.candidates)].tolist(),
+                "mix_span_seconds": spans[plan.number, :len(plan.thresholds),
+                                          len(plan.candidates)].tolist()}
         return result
 
 
@@ -475,10 +559,11 @@ class Call:
     tuner: AutoTuner
     plan: TunedPlan
     choice: tf.Tensor  # per bucket, an index into plan.candidates (C: skip)
-    timed: tf.Tensor  # whether this step's times count
+    timed: tf.Tensor  # whether this step's bucket times count
     trial_round: tf.Tensor  # which timed round it is, if so
     threshold: tf.Tensor  # the index of the threshold this step runs
-    candidate: tf.Tensor  # the candidate every bucket tries, in the trials
+    span_timed: tf.Tensor  # whether this step's span counts
+    span_at: tf.Tensor  # if so, its column (candidate, or C: the mix) and round
     bucket_offset: int = 0  # the row (in the plan) of the plan's bucket 0
 
     def for_threshold(self, number):
@@ -508,8 +593,8 @@ class Call:
         timed during the trials."""
         return _timed_case(
             self.threshold, [(lambda r=r: list(r)) for r in results], first_ready,
-            self.timed, self.tuner.span_seconds,
-            [self.plan.number, self.threshold, self.candidate, self.trial_round])
+            self.span_timed, self.tuner.span_seconds,
+            [self.plan.number, self.threshold, self.span_at[0], self.span_at[1]])
 
 
 def _timed_case(index, branches, start, timed, seconds, at):
