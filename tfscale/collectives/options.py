@@ -128,15 +128,18 @@ class CommunicationOptions:
       fastest of ring, hierarchical and 2d as measured by the job itself:
       during the first steps each buffer runs each of them in turn on its
       real gradients (one warm-up and `autotune.ROUNDS` timed steps each),
-      then every worker keeps, for each buffer, the one with the least
-      time (per step the least over the workers, about the one ready last;
-      they agree by one all-reduce of the times). The chief logs the
-      choice and, given `autotune_dir`, stores it there; a restart reuses
-      it without trials. It tries the plan at `fusion_threshold_bytes`
-      and at a quarter of it too (smaller buffers start during backprop,
-      at more ops each step), taking turns, and keeps the threshold whose
-      best candidate left the least from the first gradient ready to the
-      last result. `cost_model` orders the trials and breaks ties.
+      the buffers one after another as a fixed algorithm's run. Each
+      buffer's fastest is the one with the least time (per step the least
+      over the workers, about the one ready last; they agree by one
+      all-reduce of the times); where buffers could differ, that mix runs
+      `autotune.ROUNDS` steps too. It tries the plan at
+      `fusion_threshold_bytes` and at a quarter of it (smaller buffers
+      start during backprop, at more ops each step), taking turns, and
+      keeps the threshold and configuration (one candidate for every
+      buffer, or the mix) that left the least from the first gradient
+      ready to the last result. The chief logs the choice and, given
+      `autotune_dir`, stores it there; a restart reuses it without
+      trials. `cost_model` orders the trials and breaks ties.
       Nothing to try with one node or one worker per node (a ring); inside
       XLA or under op determinism no trials (the cost model's choice). See
       `tfscale.collectives.autotune`.
