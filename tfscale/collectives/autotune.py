@@ -57,12 +57,11 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   candidates' were.
 - Decision, in the step after the mix's (after the trials where no bucket
   could differ from another), on every worker at once: the spans' least
-  over the workers per
-  round, summed over the rounds; the call keeps the threshold and the
-  configuration (one candidate for all its buckets, or the mix) with the
-  least (the given threshold, then the cost model's order, then the mix on
-  a tie). Every worker computes it from the same all-reduced numbers, so
-  every worker picks the same.
+  over the workers per round, summed over the rounds; the call keeps the
+  threshold and the configuration (one candidate for all its buckets, or
+  the mix) with the least (the given threshold, then the cost model's
+  order, then the mix on a tie). Every worker computes it from the same
+  all-reduced numbers, so every worker picks the same.
 - The chief logs the choice and writes it to `DIR/autotune.json`
   (`directory`); a restarted job whose chief finds its plan there sends
   the stored choice to every worker in its first step and tries nothing.
@@ -576,16 +575,16 @@ class Call:
     def run(self, bucket, inputs, branches, after=()):
         """The result of `branches[algorithm]()` for the algorithm bucket
         number `bucket` runs this step, started once `after` (the previous
-        bucket's result) is ready and timed from then during the trials;
-        with several thresholds, `inputs` as they are where its plan is not
-        this step's.
+        bucket's result) is ready, timed from its `inputs` ready during the
+        trials (so its time counts its wait for the bucket before it); with
+        several thresholds, `inputs` as they are where its plan is not this
+        step's.
 
         One bucket after the other, as a fixed algorithm's buckets run
         (the module's docstring says why)."""
         row = self.plan.offset + self.bucket_offset + bucket
         choice = self.choice[self.bucket_offset + bucket]
-        start = graph_order.unordered(
-            timeline_stamps.TimelineStamps.stamp(list(inputs) + list(after)))
+        start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(inputs))
         cases = [branches[a] for a in self.plan.candidates]
         if len(self.plan.thresholds) > 1:
             cases.append(lambda: [tf.identity(t) for t in inputs])
