@@ -74,12 +74,7 @@ The algorithm of a bucket is a `tf.switch_case` over the candidates (and,
 with several thresholds, a branch that skips it): the graph holds each
 candidate's fusion and collectives (every worker traces the same
 branches, so their keys agree), a step runs one; each tensor's result is
-then taken from the plan of the step's threshold. Each bucket's case
-starts after the one before it has its result, in the plan's order, as a
-fixed algorithm's collectives follow their group's ordering token: with
-the cases side by side, the chosen plan's step took 1.11 x as long as the
-same plan fixed (ResNet-50, emulated 2 x 2 cluster, AVX-512; 1.03 x
-chained; BENCHMARKS.md section 12).
+then taken from the plan of the step's threshold.
 """
 
 import dataclasses
@@ -407,8 +402,10 @@ class AutoTuner:
 
         # Unordered: ordered after the stateful ops traced before it (the
         # exposed-communication stamp waits for every gradient) it would hold
-        # back every bucket. So is each bucket's Case (`Call.run`), chained
-        # instead to the bucket before it.
+        # back every bucket. So is each bucket's Case (`Call.run`), which also
+        # leaves the buckets' collectives on one group unchained (with a
+        # fixed algorithm, the group's ordering token chains them): all the
+        # candidates are timed, and the choice runs, that way.
         branches = [agree_on_stored, decide, read]
         branch = tf.where(tf.equal(step, 0), 0, tf.where(tf.equal(step, trial_steps), 1, 2))
         if plan.mixes:
@@ -572,16 +569,11 @@ class Call:
         """This call for the buckets of threshold `number`'s plan."""
         return dataclasses.replace(self, bucket_offset=self.plan.buckets_of(number)[0])
 
-    def run(self, bucket, inputs, branches, after=()):
+    def run(self, bucket, inputs, branches):
         """The result of `branches[algorithm]()` for the algorithm bucket
-        number `bucket` runs this step, started once `after` (the previous
-        bucket's result) is ready, timed from its `inputs` ready during the
-        trials (so its time counts its wait for the bucket before it); with
+        number `bucket` runs this step, timed during the trials; with
         several thresholds, `inputs` as they are where its plan is not this
-        step's.
-
-        One bucket after the other, as a fixed algorithm's buckets run
-        (the module's docstring says why)."""
+        step's."""
         row = self.plan.offset + self.bucket_offset + bucket
         choice = self.choice[self.bucket_offset + bucket]
         start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(inputs))
@@ -592,7 +584,7 @@ class Call:
         return _timed_case(
             choice, cases, start, tf.logical_and(self.timed, tf.logical_not(skipped)),
             self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
-                                 self.trial_round], after)
+                                 self.trial_round])
 
     def select(self, first_ready, results):
         """Each tensor from the plan of this step's threshold (`results`: one
@@ -604,13 +596,12 @@ class Call:
             [self.plan.number, self.threshold, self.span_at[0], self.span_at[1]])
 
 
-def _timed_case(index, branches, start, timed, seconds, at, after=()):
+def _timed_case(index, branches, start, timed, seconds, at):
     """`tf.switch_case(index, branches)` (a list of tensors), run unordered
-    (as in `AutoTuner.begin`) once `after` is ready; where `timed`, the
-    seconds from the `start` stamp to its result are added to
+    (as in `AutoTuner.begin`: the buckets run side by side); where `timed`,
+    the seconds from the `start` stamp to its result are added to
     `seconds[at]`."""
-    with tf.control_dependencies(list(after)):
-        result = tf.switch_case(index, branches)
+    result = tf.switch_case(index, branches)
     graph_order.unordered_case(result[0])
     end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
     elapsed = tf.where(timed, tf.cast(end - start, tf.float32), 0.0)
