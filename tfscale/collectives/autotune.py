@@ -484,9 +484,10 @@ class AutoTuner:
                 continue
             lines.append(f"  bucket {number}: {times(least[bucket])} -> "
                          f"{plan.candidates[fastest[bucket]]}")
-        if list(choice) != list(fastest):
-            lines.append(f"  every bucket takes {plan.candidates[choice[0]]}: its span "
-                         "was less than each bucket's fastest together")
+        own = plan.buckets_of(threshold)
+        if any(choice[b] != fastest[b] for b in own):  # this threshold's only
+            lines.append(f"  every bucket takes {plan.candidates[choice[own[0]]]}: its "
+                         "span was less than each bucket's fastest together")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
                      "time from its tensors ready to its result, mean of %d steps, "
                      "least over the workers in each):\n%s", plan.key.split(";")[0],
