@@ -3,7 +3,8 @@
 A bucket's all-reduce should start once its own gradients are ready, and
 the buckets should run side by side where their algorithm's groups allow:
 that is how communication hides behind backprop and behind the other
-buckets. tfscale's own bookkeeping around every collective (the watchdog's
+buckets (under "auto" each bucket's case waits for the one before it, as a
+measured choice: tfscale/collectives/autotune.py). tfscale's own bookkeeping around every collective (the watchdog's
 counters, the flight recorder's rows and stamps, the exposed-communication
 stamps) must not add waits: a read of a counter made after the previous
 collective, a row written in program order after the previous completion,
@@ -117,10 +118,11 @@ def test_the_first_bucket_does_not_wait_for_the_last_gradient(bucket_ops, timed)
 
 
 @pytest.mark.parametrize("timed", [False, True])
-def test_auto_buckets_start_with_their_own_gradients_and_side_by_side(timed):
+def test_auto_buckets_start_with_their_own_gradients_each_after_the_one_before(timed):
     """Under algorithm="auto" each bucket's algorithm is a `Case` over the
     candidates: bucket 0's waits only for its own tensor, and bucket 1's
-    does not wait for bucket 0's (4 workers in 2 nodes of 2, rank 0)."""
+    for bucket 0's, as a fixed plan's buckets follow their group's ordering
+    token (4 workers in 2 nodes of 2, rank 0)."""
     topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], 0, 2)
     placeholders = trace(topology, "auto", timed=timed)
     cases = [op for op in placeholders[0].graph.get_operations() if op.type == "Case"]
@@ -128,4 +130,24 @@ def test_auto_buckets_start_with_their_own_gradients_and_side_by_side(timed):
              and not waits_for(op, placeholders[0])]
     second = [op for op in cases if waits_for(op, placeholders[0])]
     assert len(first) == 1 and len(second) == 1, [op.name for op in cases]
-    assert not waits_for(second[0], first[0])
+    assert waits_for(second[0], first[0])
+
+
+def test_auto_times_each_candidate_from_a_stamp_its_collectives_wait_for(bucket_ops):
+    """Each candidate's branch returns, first, the stamp its trial time
+    starts from, and every collective of the branch waits for it: the time
+    cannot be less than the branch's own work. (A stamp outside the case,
+    taken once the bucket's tensors were ready, is one more ready op, which
+    the executor ran after a 64-byte bucket's whole case: negative times.)"""
+    topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], 0, 2)
+    trace(topology, "auto", timed=False)
+    candidates = [ops for ops in bucket_ops if ops]
+    # 2 buckets x (ring, hierarchical, 2d)
+    assert len(candidates) == 6, [[op.name for op in ops] for ops in candidates]
+    for ops in candidates:
+        start = ops[0].graph.outputs[0].op
+        while start.type == "Identity":
+            start = start.inputs[0].op
+        assert start.type == "Timestamp", start
+        for op in ops:
+            assert waits_for(op, start), f"{op.name} does not wait for {start.name}"

@@ -112,6 +112,7 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
         return note(span=name, after=after, **fields) if note else contextlib.nullcontext()
 
     results = [None] * len(tensors)
+    previous = []  # the last "auto" bucket's result: the next one starts after it
     for number, bucket in enumerate(buckets):
         inputs = [tensors[i] for i in bucket.indices]
         compressing = compression if bucket.wire_dtype != bucket.dtype else None
@@ -123,11 +124,11 @@ def fused_all_reduce(tensors, groups, buckets, compression=None, note=None,
                 # Each candidate fuses, reduces and unpacks in its own branch
                 # (the timeline's stage spans cannot cross into a branch).
                 with span(bucket.algorithm, inputs):
-                    pieces = tuning_call.run(number, inputs, {
+                    pieces = previous = tuning_call.run(number, inputs, {
                         algorithm: functools.partial(
                             _reduce_bucket, inputs, algorithm, num_chunks, groups,
                             compressing, num_workers, note=note)
-                        for algorithm, num_chunks in bucket.candidates})
+                        for algorithm, num_chunks in bucket.candidates}, after=previous)
             else:
                 pieces = _reduce_bucket(inputs, bucket.algorithm, bucket.num_chunks,
                                         groups, compressing, num_workers, span=span)

@@ -25,8 +25,9 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   of a call runs the plan of threshold s mod K, every bucket of it with
   candidate (s // K) mod C (the other thresholds' buckets skip); each
   threshold's first round warms up (a group's first collective resolves
-  it). In the other rounds each bucket's time from its tensors ready to
-  its result is kept per candidate and round, and so is the call's span,
+  it). In the other rounds each bucket's time from its case's start
+  (after its tensors and the bucket before it) to its result is kept per
+  candidate and round, and so is the call's span,
   from its first gradient ready to its last result, per threshold,
   candidate and round: what a threshold changes is how much of the
   all-reduce backprop hides, which no single bucket shows. All buckets run
@@ -48,11 +49,12 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   nodes hierarchical's time is low by about that broadcast.
 - The mix measured: where a plan's buckets could take different candidates,
   that mix (each bucket its fastest) is a configuration no trial ran, and
-  a bucket's time counts its wait behind the others on the link, so the
-  buckets' fastest together can be slower than one candidate for all
-  (BENCHMARKS.md section 12, ResNet-50 on the emulated 2 x 2 cluster with
-  AVX-512, in one run: 8 MiB buckets mostly by hierarchical 5514 ms a step,
-  all by hierarchical 5183 ms, all by 2d 5113 ms). So the next K * ROUNDS
+  a bucket's time does not show how it overlaps backprop and the buckets
+  around it, so the buckets' fastest together can be slower than one
+  candidate for all (BENCHMARKS.md section 12, ResNet-50 on the emulated
+  2 x 2 cluster with AVX-512, in one run with the buckets side by side:
+  8 MiB buckets mostly by hierarchical 5514 ms a step, all by hierarchical
+  5183 ms, all by 2d 5113 ms). So the next K * ROUNDS
   steps run the mix at each threshold in turn, its span timed as the
   candidates' were.
 - Decision, in the step after the mix's (after the trials where no bucket
@@ -74,7 +76,14 @@ The algorithm of a bucket is a `tf.switch_case` over the candidates (and,
 with several thresholds, a branch that skips it): the graph holds each
 candidate's fusion and collectives (every worker traces the same
 branches, so their keys agree), a step runs one; each tensor's result is
-then taken from the plan of the step's threshold.
+then taken from the plan of the step's threshold. Each bucket's case
+starts after the one before it has its result, in the plan's order, as a
+fixed algorithm's collectives follow their group's ordering token: with
+the cases side by side, every ready bucket's collectives ran at once, and
+the chosen plan's step took 1.11 x as long as the same plan fixed
+(ResNet-50, emulated 2 x 2 cluster, AVX-512; 1.03 x chained; BENCHMARKS.md
+section 12). A bucket's time is thus its own case's, from its first op to
+its result.
 """
 
 import dataclasses
@@ -402,10 +411,8 @@ class AutoTuner:
 
         # Unordered: ordered after the stateful ops traced before it (the
         # exposed-communication stamp waits for every gradient) it would hold
-        # back every bucket. So is each bucket's Case (`Call.run`), which also
-        # leaves the buckets' collectives on one group unchained (with a
-        # fixed algorithm, the group's ordering token chains them): all the
-        # candidates are timed, and the choice runs, that way.
+        # back every bucket. So is each bucket's Case (`Call.run`), chained
+        # instead to the bucket before it.
         branches = [agree_on_stored, decide, read]
         branch = tf.where(tf.equal(step, 0), 0, tf.where(tf.equal(step, trial_steps), 1, 2))
         if plan.mixes:
@@ -570,22 +577,29 @@ class Call:
         """This call for the buckets of threshold `number`'s plan."""
         return dataclasses.replace(self, bucket_offset=self.plan.buckets_of(number)[0])
 
-    def run(self, bucket, inputs, branches):
+    def run(self, bucket, inputs, branches, after=()):
         """The result of `branches[algorithm]()` for the algorithm bucket
-        number `bucket` runs this step, timed during the trials; with
-        several thresholds, `inputs` as they are where its plan is not this
-        step's."""
+        number `bucket` runs this step, started once `after` (the previous
+        bucket's result) is ready and timed during the trials; with several
+        thresholds, `inputs` as they are where its plan is not this step's.
+
+        One bucket after the other, as a fixed algorithm's buckets run (the
+        module's docstring says why). The time starts inside the branch,
+        before its first op: a stamp outside, taken when `inputs` (or
+        `after`) are ready, is an op like any other, and the executor may run
+        it after a small bucket's whole case (it read negative times)."""
         row = self.plan.offset + self.bucket_offset + bucket
         choice = self.choice[self.bucket_offset + bucket]
-        start = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(inputs))
         cases = [branches[a] for a in self.plan.candidates]
         if len(self.plan.thresholds) > 1:
             cases.append(lambda: [tf.identity(t) for t in inputs])
         skipped = tf.equal(choice, len(self.plan.candidates))
-        return _timed_case(
-            choice, cases, start, tf.logical_and(self.timed, tf.logical_not(skipped)),
-            self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
-                                 self.trial_round])
+        with tf.control_dependencies(list(after)):
+            return _timed_case(
+                choice, [_stamped(case, inputs) for case in cases], None,
+                tf.logical_and(self.timed, tf.logical_not(skipped)),
+                self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
+                                     self.trial_round])
 
     def select(self, first_ready, results):
         """Each tensor from the plan of this step's threshold (`results`: one
@@ -597,13 +611,27 @@ class Call:
             [self.plan.number, self.threshold, self.span_at[0], self.span_at[1]])
 
 
+def _stamped(branch, inputs):
+    """`branch` returning, before its results, a stamp taken inside it once
+    `inputs` are there, which every op it traces waits for."""
+    def stamped():
+        start = timeline_stamps.TimelineStamps.stamp(inputs)
+        with tf.control_dependencies([start]):
+            return [start] + list(branch())
+    return stamped
+
+
 def _timed_case(index, branches, start, timed, seconds, at):
     """`tf.switch_case(index, branches)` (a list of tensors), run unordered
-    (as in `AutoTuner.begin`: the buckets run side by side); where `timed`,
-    the seconds from the `start` stamp to its result are added to
+    (as in `AutoTuner.begin`: it waits for its inputs and the control
+    dependencies it is traced under, not for the stateful ops traced before
+    it); where `timed`, the seconds from the `start` stamp (`None`: each
+    branch's first result, see `_stamped`) to its result are added to
     `seconds[at]`."""
     result = tf.switch_case(index, branches)
     graph_order.unordered_case(result[0])
+    if start is None:
+        start, result = result[0], result[1:]
     end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
     elapsed = tf.where(timed, tf.cast(end - start, tf.float32), 0.0)
     graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(
