@@ -135,19 +135,39 @@ def test_auto_buckets_start_with_their_own_gradients_each_after_the_one_before(t
 
 def test_auto_times_each_candidate_from_a_stamp_its_collectives_wait_for(bucket_ops):
     """Each candidate's branch returns, first, the stamp its trial time
-    starts from, and every collective of the branch waits for it: the time
-    cannot be less than the branch's own work. (A stamp outside the case,
-    taken once the bucket's tensors were ready, is one more ready op, which
-    the executor ran after a 64-byte bucket's whole case: negative times.)"""
+    starts from; the stamp waits, as data inputs of the branch, for the
+    bucket's tensors and the previous bucket's results, and every
+    collective of the branch waits for it. So the time is the bucket's own
+    case's. (A stamp outside the case, once the bucket's tensors were ready,
+    is one more ready op, which the executor ran after a 64-byte bucket's
+    whole case: negative times. A stamp inside that waits for them by
+    control dependencies only runs with the branch index: it read times
+    from about the step's start.)"""
     topology = topology_lib.from_hosts(["h0", "h0", "h1", "h1"], 0, 2)
-    trace(topology, "auto", timed=False)
+    placeholders = trace(topology, "auto", timed=False)
     candidates = [ops for ops in bucket_ops if ops]
-    # 2 buckets x (ring, hierarchical, 2d)
+    # 2 buckets x (ring, hierarchical, 2d), bucket 0 (SIZES[1]) first
     assert len(candidates) == 6, [[op.name for op in ops] for ops in candidates]
-    for ops in candidates:
-        start = ops[0].graph.outputs[0].op
-        while start.type == "Identity":
+    cases = {}
+    for number, ops in enumerate(candidates):
+        branch = ops[0].graph
+        start = branch.outputs[0].op
+        while start.type == "Identity" and start.inputs:
             start = start.inputs[0].op
         assert start.type == "Timestamp", start
         for op in ops:
             assert waits_for(op, start), f"{op.name} does not wait for {start.name}"
+        # What the stamp waits for through data, outside the branch.
+        waited = [external for external, internal in branch.captures
+                  if any(waits_for(start, consumer) and consumer.type == "Identity"
+                         for consumer in internal.consumers())]
+        bucket = number // 3
+        assert placeholders[1 - bucket].outputs[0] in waited, (bucket, waited)
+        cases.setdefault(bucket, []).append(waited)
+    # Bucket 1's stamp also waits for bucket 0's results.
+    (case_0,) = {op for op in placeholders[0].graph.get_operations()
+                 if op.type == "Case" and waits_for(op, placeholders[1])
+                 and not waits_for(op, placeholders[0])}
+    for waited in cases[1]:
+        assert any(tensor.op is not placeholders[0] and waits_for(tensor.op, case_0)
+                   for tensor in waited), waited

@@ -579,27 +579,24 @@ class Call:
 
     def run(self, bucket, inputs, branches, after=()):
         """The result of `branches[algorithm]()` for the algorithm bucket
-        number `bucket` runs this step, started once `after` (the previous
-        bucket's result) is ready and timed during the trials; with several
-        thresholds, `inputs` as they are where its plan is not this step's.
+        number `bucket` runs this step, started once `inputs` and `after`
+        (the previous bucket's result) are ready and timed from then during
+        the trials; with several thresholds, `inputs` as they are where its
+        plan is not this step's.
 
         One bucket after the other, as a fixed algorithm's buckets run (the
-        module's docstring says why). The time starts inside the branch,
-        before its first op: a stamp outside, taken when `inputs` (or
-        `after`) are ready, is an op like any other, and the executor may run
-        it after a small bucket's whole case (it read negative times)."""
+        module's docstring says why)."""
         row = self.plan.offset + self.bucket_offset + bucket
         choice = self.choice[self.bucket_offset + bucket]
         cases = [branches[a] for a in self.plan.candidates]
         if len(self.plan.thresholds) > 1:
             cases.append(lambda: [tf.identity(t) for t in inputs])
         skipped = tf.equal(choice, len(self.plan.candidates))
-        with tf.control_dependencies(list(after)):
-            return _timed_case(
-                choice, [_stamped(case, inputs) for case in cases], None,
-                tf.logical_and(self.timed, tf.logical_not(skipped)),
-                self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
-                                     self.trial_round])
+        return _timed_case(
+            choice, [_stamped(case, list(inputs) + list(after)) for case in cases], None,
+            tf.logical_and(self.timed, tf.logical_not(skipped)),
+            self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
+                                 self.trial_round])
 
     def select(self, first_ready, results):
         """Each tensor from the plan of this step's threshold (`results`: one
@@ -611,11 +608,20 @@ class Call:
             [self.plan.number, self.threshold, self.span_at[0], self.span_at[1]])
 
 
-def _stamped(branch, inputs):
+def _stamped(branch, ready):
     """`branch` returning, before its results, a stamp taken inside it once
-    `inputs` are there, which every op it traces waits for."""
+    the tensors `ready` are, which every op it traces waits for.
+
+    A stamp outside the case is one more ready op, which the executor ran
+    after a 64-byte bucket's whole case (negative times). Inside, it waits
+    for `ready` through identities, data inputs of the branch: a control
+    dependency on a tensor from outside the branch becomes one of the
+    `Case`'s own, and the case lowered to switches and inlined runs an op
+    with no data inputs once the branch index (and the case's control
+    inputs) are there, before its tensors are (measured: a stamp read times
+    from about the step's start)."""
     def stamped():
-        start = timeline_stamps.TimelineStamps.stamp(inputs)
+        start = timeline_stamps.TimelineStamps.stamp([tf.identity(t) for t in ready])
         with tf.control_dependencies([start]):
             return [start] + list(branch())
     return stamped
