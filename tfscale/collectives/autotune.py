@@ -81,9 +81,11 @@ starts after the one before it has its result, in the plan's order, as a
 fixed algorithm's collectives follow their group's ordering token: with
 the cases side by side, every ready bucket's collectives ran at once, and
 the chosen plan's step took 1.11 x as long as the same plan fixed
-(ResNet-50, emulated 2 x 2 cluster, AVX-512; 1.03 x chained; BENCHMARKS.md
-section 12). A bucket's time is thus its own case's, from its first op to
-its result.
+(ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md section 12).
+Chained whole it took 1.08 x: a fixed plan's stages on different groups
+overlap across buckets, which a chain of whole cases does not. A bucket's
+time is its own case's, from its tensors and the previous bucket's
+results ready (`_stamped`) to its result.
 """
 
 import dataclasses
@@ -496,8 +498,9 @@ class AutoTuner:
             lines.append(f"  every bucket takes {plan.candidates[choice[own[0]]]}: its "
                          "span was less than each bucket's fastest together")
         logging.info("tfscale autotune: %s: chose after %d trial steps (each bucket's "
-                     "time from its tensors ready to its result, mean of %d steps, "
-                     "least over the workers in each):\n%s", plan.key.split(";")[0],
+                     "time from its tensors and the previous bucket's results ready "
+                     "to its result, mean of %d steps, least over the workers in "
+                     "each):\n%s", plan.key.split(";")[0],
                      plan.trial_steps, ROUNDS, "\n".join(lines))
         if self.directory is None:
             return
