@@ -596,7 +596,7 @@ class Call:
             cases.append(lambda: [tf.identity(t) for t in inputs])
         skipped = tf.equal(choice, len(self.plan.candidates))
         return _timed_case(
-            choice, [_stamped(case, list(inputs) + list(after)) for case in cases], None,
+            choice, [_stamped(case, list(inputs) + list(after)) for case in cases],
             tf.logical_and(self.timed, tf.logical_not(skipped)),
             self.tuner.seconds, [row, tf.minimum(choice, len(self.plan.candidates) - 1),
                                  self.trial_round])
@@ -606,7 +606,7 @@ class Call:
         list per threshold), the call's span (from `first_ready`, a stamp)
         timed during the trials."""
         return _timed_case(
-            self.threshold, [(lambda r=r: list(r)) for r in results], first_ready,
+            self.threshold, [(lambda r=r: [first_ready] + list(r)) for r in results],
             self.span_timed, self.tuner.span_seconds,
             [self.plan.number, self.threshold, self.span_at[0], self.span_at[1]])
 
@@ -630,17 +630,14 @@ def _stamped(branch, ready):
     return stamped
 
 
-def _timed_case(index, branches, start, timed, seconds, at):
-    """`tf.switch_case(index, branches)` (a list of tensors), run unordered
-    (as in `AutoTuner.begin`: it waits for its inputs and the control
-    dependencies it is traced under, not for the stateful ops traced before
-    it); where `timed`, the seconds from the `start` stamp (`None`: each
-    branch's first result, see `_stamped`) to its result are added to
-    `seconds[at]`."""
-    result = tf.switch_case(index, branches)
-    graph_order.unordered_case(result[0])
-    if start is None:
-        start, result = result[0], result[1:]
+def _timed_case(index, branches, timed, seconds, at):
+    """The results of `tf.switch_case(index, branches)`, each branch
+    returning a start stamp and then its results, run unordered (as in
+    `AutoTuner.begin`: it waits for its inputs, not for the stateful ops
+    traced before it); where `timed`, the seconds from the start stamp to
+    the results are added to `seconds[at]`."""
+    start, *result = tf.switch_case(index, branches)
+    graph_order.unordered_case(start)
     end = graph_order.unordered(timeline_stamps.TimelineStamps.stamp(result))
     elapsed = tf.where(timed, tf.cast(end - start, tf.float32), 0.0)
     graph_order.unordered(tf.raw_ops.ResourceScatterNdAdd(

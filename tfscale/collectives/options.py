@@ -128,9 +128,9 @@ class CommunicationOptions:
       fastest of ring, hierarchical and 2d as measured by the job itself:
       during the first steps each buffer runs each of them in turn on its
       real gradients (one warm-up and `autotune.ROUNDS` timed steps each),
-      the buffers one after another as a fixed algorithm's run.
-      Each buffer's fastest is the one with the least time (per step the
-      least over the workers, about the one ready last; they agree by one
+      the buffers one after another as a fixed algorithm's run. Each
+      buffer's fastest is the one with the least time (per step the least
+      over the workers, about the one ready last; they agree by one
       all-reduce of the times); where buffers could differ, that mix runs
       `autotune.ROUNDS` steps too. It tries the plan at
       `fusion_threshold_bytes` and at a quarter of it (smaller buffers
