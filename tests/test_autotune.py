@@ -155,7 +155,7 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     autotune_dir = tmp_path / "model_dir"
     run = multiworker.run_workers(
         "autotune_fit.py", 4, tmp_path,
-        args=[f"--autotune_dir={autotune_dir}", "--steps=24"], timeout=300)
+        args=[f"--autotune_dir={autotune_dir}", "--steps=27"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
     names = ("ring", "default", "restarted", "default+powersgd")
@@ -180,8 +180,12 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     tuned = [gradients(r["default"]) for r in results]
     assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
         "ring", "hierarchical", "2d"}
+    # 27 steps ran, 3 per execution; the tuner counted 24: after the
+    # decision (step 22) fit traced its train function again, and the last
+    # execution ran the choice as a fixed plan, without the trials' cases.
     assert tuned[0]["steps"] == 24
     for plan in tuned:
+        assert plan["retraced"]
         assert plan["choices"] == tuned[0]["choices"]  # one choice everywhere
         assert plan["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
         # Each candidate timed on each bucket, and the call at each
@@ -218,6 +222,9 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert restarted["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
         assert not np.any(restarted["seconds"]) and not np.any(restarted["span_seconds"])
         assert not np.any(restarted["mix_span_seconds"])
+        # Its first step agreed on the stored choice; the other 26 ran it
+        # traced as a fixed plan.
+        assert restarted["retraced"] and restarted["steps"] == 23
     # PowerSGD under the default: the all-reduces of its compressed steps
     # (from step 2 on, 12 calls each: the factors' and the uncompressed
     # biases') tried the candidates and chose, alike on every worker.
@@ -236,6 +243,8 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
                "bytes (2 bucket(s)) take turns" in l for l in chief)
     assert any("auto: the choice stored in" in l for l in chief)
+    assert any("auto: the choice made after 22 trial steps (or stored), traced again "
+               "as a fixed plan at fusion threshold" in l for l in chief)
     assert not [l for l in run.output.splitlines()
                 if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
 

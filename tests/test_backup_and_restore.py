@@ -17,6 +17,7 @@ from multiworker import WORKERS_DIR
 from tfscale import callbacks
 from tfscale import checkpoint
 from tfscale import preemption
+from tfscale._private import keras_hooks
 
 sys.path.insert(0, WORKERS_DIR)
 from tutorial_callbacks import Steps  # noqa: E402  (the optimizer step trained)
@@ -85,6 +86,31 @@ def test_resumes_at_the_saved_step(tmp_path, per_epoch_iterator, save_freq,
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     for a, b in zip(straight.optimizer.variables, resumed.optimizer.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+class BuildAnew(keras.callbacks.Callback):
+    """Makes Keras build its train function anew after step `at_step`, as
+    tfscale does once algorithm="auto" has made its choice (fit_hooks)."""
+
+    def __init__(self, at_step):
+        super().__init__()
+        self.at_step = at_step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.at_step:
+            keras_hooks.retrace_train_function(self.model)
+
+
+def test_a_train_function_built_anew_mid_fit_stays_under_the_backup(tmp_path):
+    # The backup of step 6 is written by the wrapper of the train function
+    # built after step 2: the new function went under the wrapper.
+    backup = tmp_path / "backup"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(backup, False, [BuildAnew(2), Interrupt(8)], save_freq=3)
+    finally:
+        preemption.watch_of(None).uninstall()  # the process would have left
+    assert json.loads((backup / "state.json").read_text())["step"] == 6
 
 
 class Sigterm(keras.callbacks.Callback):

@@ -21,6 +21,11 @@ devices when compiling with XLA"). Keras's default, `jit_compile="auto"`, is
 `False` under a distribution strategy. Steps compiled by XLA are not timed
 (see `CommunicationOptions.time_all_reduces`).
 
+Under `algorithm="auto"`, once every all-reduce a train function tries has
+made its choice (`AutoTuner.retrace_due`), Keras builds that function anew
+after the batch, on every worker alike: traced again, each all-reduce runs
+its choice as a fixed plan (tfscale/collectives/autotune.py says why).
+
 `tfscale.strategy` installs these with a predicate that tells its
 strategies (`install`); this module imports no strategy.
 """
@@ -56,6 +61,7 @@ def install(applies):
     per process; a second call replaces `applies`)."""
     _applies[0] = applies
     keras_hooks.add_fit_hooks(_on_set_model, _on_train_end)
+    keras_hooks.add_train_batch_end_hook(_after_train_batch)
 
 
 def _multi_worker_strategy(model):
@@ -104,6 +110,13 @@ def _on_set_model(callback_list, model):
         for cls, attribute in _REDIRECTED.items():
             if isinstance(callback, cls) and id(callback) not in _redirected:
                 _redirect(callback, attribute)
+
+
+def _after_train_batch(model):
+    strategy = _multi_worker_strategy(model)
+    tuner = getattr(strategy, "autotune", None)
+    if tuner is not None and tuner.retrace_due():
+        keras_hooks.retrace_train_function(model)
 
 
 def _redirect(callback, attribute):

@@ -5,9 +5,11 @@ built one after another as a user would: `ring`; the default algorithm
 (None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
 stored by the chief); `algorithm="auto"` with the same directory, as a
 restarted job (the chief finds the choice: no trials); the default with
-PowerSGD. The default's first training runs 3 steps per execution, long
-enough to try both fusion thresholds. Reports each one's weights, its
-autotuner's state and what the chief stored.
+PowerSGD. The default's first training runs 3 steps per execution: 8
+executions (24 steps) try both fusion thresholds and decide, then Keras
+traces its train function again and the 9th runs the choice as a fixed
+plan. Reports each one's weights, its autotuner's state and what the chief
+stored.
 
 Flags: --autotune_dir, --steps.
 """
@@ -26,7 +28,7 @@ from report import report
 from sharded_data import round_robin
 
 flags.DEFINE_string("autotune_dir", None, "Where the chief stores the choice.")
-flags.DEFINE_integer("steps", 24, "Training steps per training (the default's "
+flags.DEFINE_integer("steps", 27, "Training steps per training (the default's "
                      "first: its trials and decision, then its choice).")
 FLAGS = flags.FLAGS
 
@@ -44,7 +46,7 @@ def dataset_fn(input_context):
 
 
 def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None,
-          steps=None, fusion_bytes=FUSION_BYTES):
+          steps=None, fusion_bytes=FUSION_BYTES, callbacks=()):
     strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
         algorithm=algorithm, fusion_threshold_bytes=fusion_bytes, local_size=2,
         timeout_seconds=60, autotune_dir=autotune_dir,
@@ -61,7 +63,8 @@ def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=steps_per_execution)
     data = strategy.distribute_datasets_from_function(dataset_fn)
-    model.fit(data, epochs=1, steps_per_epoch=steps or FLAGS.steps, verbose=0)
+    model.fit(data, epochs=1, steps_per_epoch=steps or FLAGS.steps, verbose=0,
+              callbacks=list(callbacks))
     result = {"weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
               "algorithm": strategy.communication_algorithm}
     if strategy.autotune is not None:
@@ -80,7 +83,11 @@ def main(argv):
     if os.path.exists(path):
         with open(path) as f:
             stored = json.load(f)
-    _, results["restarted"] = train("auto", FLAGS.autotune_dir)
+    # Backed up as a user would: its train function, built anew once the
+    # stored choice is agreed, goes under the callback's wrapper.
+    _, results["restarted"] = train("auto", FLAGS.autotune_dir, callbacks=[
+        tfscale.callbacks.BackupAndRestore(os.path.join(FLAGS.autotune_dir, "backup"),
+                                           save_freq=10)])
     # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
     # all-reduces are tuned too, each its own call site (a bucket per
     # tensor, one threshold: 9 candidate trials and 2 of the mix, so 12

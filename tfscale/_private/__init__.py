@@ -86,6 +86,15 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   and `on_train_end` after it (`add_fit_hooks`): where tfscale sees the
   user's callbacks, which `fit` gets and the strategy does not.
   tests/test_fit_hooks.py, test_fit_calls_the_hooks.
+- `fit` calling `CallbackList.on_train_batch_end` in its loop's thread
+  after each batch, and looking `model.train_function` up again for the
+  next (`add_train_batch_end_hook`, `retrace_train_function`): algorithm
+  "auto" has Keras build the train function anew once it has chosen, at
+  the same batch on every worker. tests/test_autotune.py,
+  test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_choice_and_match_the_ring
+  (the tuner stops counting steps at the decision: the function was
+  traced again); tests/test_backup_and_restore.py,
+  test_a_train_function_built_anew_mid_fit_stays_under_the_backup.
 - `keras.src.losses.loss.scale_loss_for_distribution` and
   `unscale_loss_for_distribution` (`route_loss_scaling`): Keras's
   `1 / num_workers` loss scaling, which Keras's losses, its train and test

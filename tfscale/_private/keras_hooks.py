@@ -152,6 +152,45 @@ def add_fit_hooks(on_set_model, on_train_end):
     return remove
 
 
+_batch_end_hooks = []
+
+
+def add_train_batch_end_hook(hook):
+    """Calls `hook(model)` after every callback's `on_train_batch_end` of
+    each `fit`, in the training loop's own thread: before the next batch on
+    every worker alike, even where Keras dispatches the callbacks'
+    `on_train_batch_end` to a thread pool (`CallbackList._async_train`).
+    Wraps `keras.callbacks.CallbackList.on_train_batch_end` once per
+    process; a hook added twice runs once."""
+    if hook not in _batch_end_hooks:
+        _batch_end_hooks.append(hook)
+    callback_list = keras.callbacks.CallbackList
+    if getattr(callback_list.on_train_batch_end, "tfscale_hooked", False):
+        return
+    original = callback_list.on_train_batch_end
+
+    def on_train_batch_end(self, batch, logs=None):
+        original(self, batch, logs)
+        for hook in _batch_end_hooks:
+            hook(self.model)
+
+    on_train_batch_end.tfscale_hooked = True
+    callback_list.on_train_batch_end = on_train_batch_end
+
+
+def retrace_train_function(model):
+    """Makes Keras build `model`'s train function anew: its next call traces
+    it again. Where a tfscale callback wraps Keras's train function (its
+    `wrapped_train_function`, as `tfscale.callbacks.BackupAndRestore`
+    does), the new one goes under the wrapper."""
+    current = model.train_function
+    model.make_train_function(force=True)
+    wrapper = getattr(current, "__self__", None)
+    if wrapper is not None and hasattr(wrapper, "wrapped_train_function"):
+        wrapper.wrapped_train_function = model.train_function
+        model.train_function = current
+
+
 def route_optimizer_updates(reducer_for):
     """Makes Keras optimizers all-reduce first where `reducer_for(strategy)`
     gives a reducer: `reduce(grads, optimizer, trainable_variables) -> summed

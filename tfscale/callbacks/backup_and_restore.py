@@ -70,7 +70,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
-        self._original_train_function = None
+        # Keras's train function, which `_train_function` wraps (where Keras
+        # must trace it again, the new one goes here: keras_hooks.retrace_train_function).
+        self.wrapped_train_function = None
         self._preemption = None
 
     def _strategy(self):
@@ -111,7 +113,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._skip_batches = saved["batch"]
             self._skip_reads = self._position = saved["position"]
             keras_hooks.set_initial_epoch(model, saved["epoch"])
-        self._original_train_function = model.train_function
+        self.wrapped_train_function = model.train_function
         model.train_function = self._train_function
         if self.save_before_preemption:
             self._preemption = PreemptionStop(model, self._save)
@@ -151,7 +153,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return {}
         if self._due:
             self._save()
-        logs = self._original_train_function(iterator)
+        logs = self.wrapped_train_function(iterator)
         self._batch += 1
         self._position += self.model.steps_per_execution
         return logs
@@ -185,7 +187,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         model = self.model
-        model.train_function = self._original_train_function
+        model.train_function = self.wrapped_train_function
         keras_hooks.set_initial_epoch(model, None)
         if self._preemption:
             # A SIGTERM in the last step: the fit is done, but the script

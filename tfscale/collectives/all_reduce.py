@@ -311,6 +311,13 @@ class AllReduce:
                     [None if b.candidates else b.algorithm for b in every],
                     thresholds, [t for t, p in enumerate(plans) for _ in p])
                 untried = tuning is None  # beyond what the tuner holds
+                if tuning is not None and self.autotuner.decided(tuning):
+                    # Traced again after the choice: a fixed plan, as fast
+                    # as one (the cases' branches return only once their
+                    # whole branch has run, so cases cannot pipeline).
+                    threshold, buckets = self.autotuner.chosen_buckets(tuning, plans)
+                    self._log(buckets, chosen=(tuning, threshold))
+                    tuning, plans = None, [buckets]
             if untried:
                 buckets = [self._prior_choice(b) for b in buckets]
                 plans = [buckets]
@@ -355,13 +362,19 @@ class AllReduce:
         return dataclasses.replace(bucket, algorithm=algorithm, num_chunks=num_chunks,
                                    candidates=())
 
-    def _log(self, buckets, tuning=None, untried=False, plans=()):
+    def _log(self, buckets, tuning=None, untried=False, plans=(), chosen=None):
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
         if not self.log_plans or key in self._logged:
             return
         self._logged.add(key)
         threshold = ""
-        if self.algorithm == "hybrid" and self.hybrid_threshold_bytes is None:
+        if chosen is not None:
+            tuned, number = chosen
+            threshold = (f", auto: the choice made after {tuned.trial_steps} trial "
+                         "steps (or stored), traced again as a fixed plan")
+            if len(tuned.thresholds) > 1:
+                threshold += f" at fusion threshold {tuned.thresholds[number]:,} bytes"
+        elif self.algorithm == "hybrid" and self.hybrid_threshold_bytes is None:
             threshold = ", hybrid: each bucket by the cost model's fastest prediction"
         elif self.algorithm == "hybrid":
             threshold = (f", hybrid threshold {self.hybrid_threshold_bytes:,} bytes "
@@ -416,8 +429,6 @@ class AllReduce:
     def _stored_choices(plans, tuning):
         """The buckets of the stored threshold's plan as the stored choice of
         `tuning` makes them."""
-        stored = [tuning.stored[r] for r in tuning.buckets_of(tuning.stored_threshold)]
-        return [dataclasses.replace(b, algorithm=tuning.candidates[c], candidates=(),
-                                    num_chunks=dict(b.candidates)[tuning.candidates[c]])
-                if b.candidates else b
-                for b, c in zip(plans[tuning.stored_threshold], stored)]
+        return autotune_lib.fixed_buckets(
+            plans[tuning.stored_threshold], tuning.candidates,
+            [tuning.stored[r] for r in tuning.buckets_of(tuning.stored_threshold)])

@@ -72,20 +72,30 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   runs must repeat each other bit for bit, which a choice by timings would
   not): no trials, each bucket takes the cost model's fastest prediction.
 
-The algorithm of a bucket is a `tf.switch_case` over the candidates (and,
-with several thresholds, a branch that skips it): the graph holds each
-candidate's fusion and collectives (every worker traces the same
-branches, so their keys agree), a step runs one; each tensor's result is
-then taken from the plan of the step's threshold. Each bucket's case
-starts after the one before it has its result, in the plan's order, as a
-fixed algorithm's collectives follow their group's ordering token: with
-the cases side by side, every ready bucket's collectives ran at once, and
-the chosen plan's step took 1.11 x as long as the same plan fixed
-(ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md section 12).
-Chained whole it took 1.08 x: a fixed plan's stages on different groups
-overlap across buckets, which a chain of whole cases does not. A bucket's
+During the trials the algorithm of a bucket is a `tf.switch_case` over
+the candidates (and, with several thresholds, a branch that skips it): the
+graph holds each candidate's fusion and collectives (every worker traces
+the same branches, so their keys agree), a step runs one; each tensor's
+result is then taken from the plan of the step's threshold. Each bucket's
+case starts after the one before it has its result, in the plan's order,
+as a fixed algorithm's collectives follow their group's ordering token
+(side by side, every ready bucket's collectives ran at once). A bucket's
 time is its own case's, from its tensors and the previous bucket's
 results ready (`_stamped`) to its result.
+
+After the decision a function is traced again (`retrace_due`: Keras's
+`fit` does it after the batch, tfscale/fit_hooks.py): each all-reduce whose
+choice is made traces the chosen threshold's plan with each bucket's
+choice as a fixed plan, the graph a user who named that configuration
+would get. Cases cannot run it as fast: every output of a branch waits for
+every stateful op of the branch (`tf.function`'s automatic control
+dependencies make each branch's returns wait for all its collectives), so
+one bucket's next stage never overlaps the previous bucket's last, as a
+fixed plan's stages on different groups do. Kept in cases, the choice's
+step took 1.08 x (chained) to 1.11 x (side by side) the same plan fixed
+(ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md section 12). A
+custom training loop that does not build its `tf.function` again keeps
+running the choice through the cases, correctly.
 """
 
 import dataclasses
@@ -169,6 +179,7 @@ class TunedPlan:
     thresholds: tuple = (None,)
     bucket_thresholds: tuple | None = None
     stored_threshold: int = 0  # with `stored`: the stored threshold's index
+    retraced: bool = False  # traced with its choice as a fixed plan
 
     def __post_init__(self):
         if self.bucket_thresholds is None:
@@ -223,6 +234,8 @@ class AutoTuner:
         self.plans = {}
         self._buckets_used = 0
         self._calls = weakref.WeakKeyDictionary()  # traced function -> calls so far
+        # Traced function -> the plans it traced with their trials (`begin`).
+        self._trial_graphs = weakref.WeakKeyDictionary()
         self._writing = threading.Lock()  # plans may decide in the same step
         with tf.device(device), tf.init_scope():
             # Seconds of each bucket's trial per candidate and timed round.
@@ -272,10 +285,7 @@ class AutoTuner:
         traces the same functions alike, so it names the same call on each;
         two calls with equal buckets in one step keep apart (they must not
         share a step count). Eager calls share one key per bucket list."""
-        graph = tf.compat.v1.get_default_graph()
-        outermost = None
-        while hasattr(graph, "outer_graph"):  # a FuncGraph
-            outermost, graph = graph, graph.outer_graph
+        outermost = _outermost_function_graph()
         if outermost is None:
             return f"eager; {buckets_key}"
         ordinal = self._calls.get(outermost, 0)
@@ -336,12 +346,49 @@ class AutoTuner:
             return None
         return threshold, [candidates.index(a) for a in choices]
 
+    def decided(self, plan):
+        """Whether `plan`'s choice is made, read now (when tracing: by the
+        steps run so far; every worker has run the same)."""
+        with tf.init_scope():
+            return bool(self.steps[plan.number].numpy() > plan.trial_steps)
+
+    def chosen_buckets(self, plan, plans):
+        """`(threshold index, buckets)`: the chosen threshold's plan from
+        `plans` (one per threshold), each bucket its chosen algorithm, read
+        now; `plan` counts as traced with its choice (`choices()`)."""
+        with tf.init_scope():
+            threshold = int(self.threshold[plan.number].numpy())
+            chosen = self.chosen[plan.offset:plan.offset + plan.num_buckets].numpy()
+        plan.retraced = True
+        return threshold, fixed_buckets(plans[threshold], plan.candidates,
+                                        [chosen[b] for b in plan.buckets_of(threshold)])
+
+    def retrace_due(self):
+        """Whether a function traced with trials has made every choice it
+        tries (at most once per function): traced again, each of its
+        all-reduces runs its choice as a fixed plan would, without the
+        cases that kept the trials (`fit` does it; module docstring). A
+        custom loop can build its `tf.function` again when this is True,
+        at the same step on every worker."""
+        if not self._trial_graphs:
+            return False
+        steps = self.steps.numpy()
+        by_number = {plan.number: plan for plan in self.plans.values()}
+        due = [graph for graph, numbers in self._trial_graphs.items()
+               if all(steps[n] > by_number[n].trial_steps for n in numbers)]
+        for graph in due:
+            del self._trial_graphs[graph]
+        return bool(due)
+
     def begin(self, plan, world):
         """Traces the start of one call of `plan`: the agreement on a stored
         choice (first step), each bucket's fastest (first step after the
         candidates' trials, where it mixes), the decision (first step after
         all trials); returns a `Call` whose `run` picks each bucket's
         algorithm (and `select` each tensor's threshold)."""
+        outermost = _outermost_function_graph()
+        if outermost is not None:
+            self._trial_graphs.setdefault(outermost, set()).add(plan.number)
         step = self.steps[plan.number]
         candidate_steps, trial_steps = plan.candidate_steps, plan.trial_steps
         rows = tf.range(plan.offset, plan.offset + plan.num_buckets)
@@ -534,8 +581,9 @@ class AutoTuner:
         tried, one where one plan), "fusion_threshold_bytes" (the chosen one),
         "span_seconds" (this worker's, per threshold, candidate and
         round), "mix_span_seconds" (this worker's, per threshold and round:
-        each bucket its fastest; zeros where it does not mix)}}`. Before the
-        decision the given threshold's buckets."""
+        each bucket its fastest; zeros where it does not mix), "retraced"
+        (whether a function has been traced with the choice as a fixed
+        plan)}}`. Before the decision the given threshold's buckets."""
         steps = self.steps.numpy()
         chosen = self.chosen.numpy()
         seconds = self.seconds.numpy()
@@ -557,7 +605,8 @@ class AutoTuner:
                 "span_seconds": spans[plan.number, :len(plan.thresholds),
                                       :len(plan.candidates)].tolist(),
                 "mix_span_seconds": spans[plan.number, :len(plan.thresholds),
-                                          len(plan.candidates)].tolist()}
+                                          len(plan.candidates)].tolist(),
+                "retraced": plan.retraced}
         return result
 
 
@@ -653,3 +702,21 @@ def plan_key(topology, buckets, thresholds=(None,)):
         for b in buckets] + ([f"fusion thresholds {list(thresholds)}"]
                              if len(thresholds) > 1 else []))
 
+
+def fixed_buckets(buckets, candidates, choices):
+    """`buckets` (one threshold's plan) with each "auto" bucket fixed to its
+    choice (`choices`: an index into `candidates` per bucket)."""
+    return [dataclasses.replace(b, algorithm=candidates[c], candidates=(),
+                                num_chunks=dict(b.candidates)[candidates[c]])
+            if b.candidates else b
+            for b, c in zip(buckets, choices)]
+
+
+def _outermost_function_graph():
+    """The outermost `FuncGraph` being traced (the function a user or Keras
+    calls), or None when eager."""
+    graph = tf.compat.v1.get_default_graph()
+    outermost = None
+    while hasattr(graph, "outer_graph"):  # a FuncGraph
+        outermost, graph = graph, graph.outer_graph
+    return outermost
