@@ -158,13 +158,13 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         args=[f"--autotune_dir={autotune_dir}", "--steps=27"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
-    names = ("ring", "default", "restarted", "default+powersgd")
+    names = ("ring", "default", "restarted", "default+powersgd", "custom_loop")
     for name in names:  # every worker the same weights
         for other in results[1:]:
             np.testing.assert_array_equal(_flat(other[name]["weights"]),
                                           _flat(results[0][name]["weights"]), err_msg=name)
     ring = _flat(results[0]["ring"]["weights"])
-    for name in ("default", "restarted"):  # sums in another order: rounding only
+    for name in ("default", "restarted", "custom_loop"):  # sums in another order
         relative = np.max(np.abs(_flat(results[0][name]["weights"]) - ring))
         assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
 
@@ -237,6 +237,15 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     for plans in powersgd[1:]:
         assert [p["choices"] for p in plans] == [p["choices"] for p in powersgd[0]]
     assert np.all(np.isfinite(_flat(results[0]["default+powersgd"]["weights"])))
+    # A custom loop that builds its tf.function anew when retrace_due()
+    # says so: every worker at the step of the decision, then the choice
+    # traced as a fixed plan (the tuner's count stops there).
+    for result in results:
+        loop = result["custom_loop"]
+        assert loop["built_anew"] == [22], loop["built_anew"]
+        plan = gradients(loop)
+        assert plan["retraced"] and plan["steps"] == 23
+        assert plan["choices"] == gradients(results[0]["custom_loop"])["choices"]
     chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
     assert any("tfscale autotune: " in l and "chose after 22 trial steps" in l
                for l in chief)

@@ -281,7 +281,9 @@ def main():
         for plan in row.get("autotune", []):
             print(f"# {row['config']} {row['precision']}: {plan['call']}: "
                   f"{_threshold_text(plan)}{_choices_text(plan['choices'])} "
-                  f"(of {', '.join(plan['candidates'])})")
+                  f"(of {', '.join(plan['candidates'])})"
+                  + ("; the timed steps ran it traced as a fixed plan"
+                     if plan.get("retraced") else ""))
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")

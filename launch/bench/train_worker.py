@@ -128,7 +128,8 @@ def _fit(spec, strategy, extra_callbacks=()):
             lambda context: data.synthetic(global_batch, size, input_context=context))
     timer = callbacks.StepTimer(strategy)
     autotune = getattr(strategy, "autotune", None)
-    # Under "auto" the trials and the decision are not what is timed.
+    # Under "auto" the trials, the decision and the step after it (the train
+    # function traced again with the choice) are not what is timed.
     warmup = spec["warmup_steps"] + (
         collectives.autotune.DECIDED_BY_STEP if autotune is not None else 0)
     model.fit(dataset, epochs=1, steps_per_epoch=warmup + spec["steps"],
@@ -162,7 +163,8 @@ def _autotune_report(autotune):
              "span_round_milliseconds": (
                  np.asarray(plan["span_seconds"]) * 1e3).round(1).tolist(),
              "mix_span_round_milliseconds": (
-                 np.asarray(plan["mix_span_seconds"]) * 1e3).round(1).tolist()}
+                 np.asarray(plan["mix_span_seconds"]) * 1e3).round(1).tolist(),
+             "retraced": plan["retraced"]}
             for key, plan in autotune.choices().items()]
 
 

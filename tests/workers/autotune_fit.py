@@ -1,11 +1,11 @@
 """Keras `fit` under `algorithm="auto"` (2 nodes of 2), against the ring.
 
-Four trainings of the same model from the same seed, one strategy each,
+Five trainings of the same model from the same seed, one strategy each,
 built one after another as a user would: `ring`; the default algorithm
 (None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
 stored by the chief); `algorithm="auto"` with the same directory, as a
 restarted job (the chief finds the choice: no trials); the default with
-PowerSGD. The default's first training runs 3 steps per execution: 8
+PowerSGD; "auto" in a custom training loop. The default's first training runs 3 steps per execution: 8
 executions (24 steps) try both fusion thresholds and decide, then Keras
 traces its train function again and the 9th runs the choice as a fixed
 plan. Reports each one's weights, its autotuner's state and what the chief
@@ -22,6 +22,7 @@ from absl import app
 from absl import flags
 
 import keras
+import tensorflow as tf
 import tfscale
 from tfscale.collectives import autotune
 from report import report
@@ -72,6 +73,43 @@ def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None,
     return strategy, result
 
 
+def custom_loop(steps):
+    """TensorFlow's custom-training-loop tutorial under algorithm="auto",
+    its `tf.function` built anew when `strategy.autotune.retrace_due()` (as
+    docs/communication.md tells such a loop to)."""
+    strategy = tfscale.Strategy(communication=tfscale.CommunicationOptions(
+        algorithm="auto", fusion_threshold_bytes=FUSION_BYTES, local_size=2,
+        timeout_seconds=60))
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(4)])
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="sum")
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    data = iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def step_fn(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True)) / GLOBAL_BATCH
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    def build():
+        return tf.function(lambda inputs: strategy.run(step_fn, args=(inputs,)))
+
+    train_step, built_anew = build(), []
+    for step in range(steps):
+        train_step(next(data))
+        if strategy.autotune.retrace_due():
+            train_step = build()
+            built_anew.append(step)
+    return {"weights": [v.numpy().ravel().tolist() for v in model.trainable_variables],
+            "autotune": list(strategy.autotune.choices().values()),
+            "built_anew": built_anew, "algorithm": strategy.communication_algorithm}
+
+
 def main(argv):
     results = {}
     strategy, results["ring"] = train("ring")
@@ -95,6 +133,7 @@ def main(argv):
     _, results["default+powersgd"] = train(
         None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=14,
         fusion_bytes=0)
+    results["custom_loop"] = custom_loop(FLAGS.steps)
     report({"worker_index": strategy.worker_index, "results": results,
             "stored": stored})
 
