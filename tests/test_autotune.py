@@ -223,15 +223,20 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert not np.any(restarted["seconds"]) and not np.any(restarted["span_seconds"])
         assert not np.any(restarted["mix_span_seconds"])
         # Its first step agreed on the stored choice; the other 26 ran it
-        # traced as a fixed plan.
+        # traced as a fixed plan, under BackupAndRestore, which saved the end.
         assert restarted["retraced"] and restarted["steps"] == 23
+    assert results[0]["restarted"]["backup"]["step"] == 27
     # PowerSGD under the default: the all-reduces of its compressed steps
-    # (from step 2 on, 12 calls each: the factors' and the uncompressed
-    # biases') tried the candidates and chose, alike on every worker.
+    # (from step 2 on: the factors' and the uncompressed biases') tried the
+    # candidates and chose, alike on every worker, in 12 calls; of 14
+    # compressed steps the last 2 ran the choice traced again as a fixed
+    # plan (the counts stop at 12), though the all-reduce of the first two,
+    # uncompressed, steps never chose.
     powersgd = [r["default+powersgd"]["autotune"] for r in results]
     compressed = [p for p in powersgd[0] if p["steps"] == 12]
     assert len(compressed) >= 2, powersgd[0]
     for plan in compressed:
+        assert plan["retraced"]
         assert set(plan["candidates"]) == {"ring", "hierarchical", "2d"}
         assert np.all(np.asarray(plan["seconds"]) > 0) and plan["choices"] is not None
     for plans in powersgd[1:]:
@@ -252,8 +257,9 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
                "bytes (2 bucket(s)) take turns" in l for l in chief)
     assert any("auto: the choice stored in" in l for l in chief)
-    assert any("auto: the choice made after 22 trial steps (or stored), traced again "
-               "as a fixed plan at fusion threshold" in l for l in chief)
+    assert any("auto: the choice made after 22 trial steps, traced again as a fixed "
+               "plan at fusion threshold" in l for l in chief)
+    assert any("auto: the stored choice, traced again as a fixed plan" in l for l in chief)
     assert not [l for l in run.output.splitlines()
                 if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
 

@@ -90,27 +90,51 @@ def test_resumes_at_the_saved_step(tmp_path, per_epoch_iterator, save_freq,
 
 class BuildAnew(keras.callbacks.Callback):
     """Makes Keras build its train function anew after step `at_step`, as
-    tfscale does once algorithm="auto" has made its choice (fit_hooks)."""
+    tfscale does once algorithm="auto" has made its choice (fit_hooks), and
+    keeps what it saw: the train functions before and after."""
 
     def __init__(self, at_step):
         super().__init__()
         self.at_step = at_step
+        self.seen = None
 
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.optimizer.iterations.numpy()) == self.at_step:
-            keras_hooks.retrace_train_function(self.model)
+            before = self.model.train_function
+            inner = before.__self__.wrapped_train_function
+            built = keras_hooks.retrace_train_function(self.model)
+            self.seen = dict(built=built, before=before, inner=inner,
+                             after=self.model.train_function,
+                             inner_after=before.__self__.wrapped_train_function)
 
 
-def test_a_train_function_built_anew_mid_fit_stays_under_the_backup(tmp_path):
-    # The backup of step 6 is written by the wrapper of the train function
-    # built after step 2: the new function went under the wrapper.
+def test_a_train_function_built_anew_mid_fit_goes_under_the_backups_wrapper(tmp_path):
     backup = tmp_path / "backup"
+    anew = BuildAnew(2)
     try:
         with pytest.raises(KeyboardInterrupt):
-            run(backup, False, [BuildAnew(2), Interrupt(8)], save_freq=3)
+            run(backup, False, [anew, Interrupt(8)], save_freq=3)
     finally:
         preemption.watch_of(None).uninstall()  # the process would have left
+    seen = anew.seen
+    # The wrapper stayed in place and now calls Keras's new function ...
+    assert seen["built"] and seen["after"] == seen["before"]
+    assert seen["inner_after"] is not seen["inner"]
+    # ... and went on backing up: step 6 was saved after the new one was built.
     assert json.loads((backup / "state.json").read_text())["step"] == 6
+
+
+def test_a_train_function_wrapped_by_unknown_code_is_left_as_it_is():
+    model, _, _ = model_and_data(False)
+    model.make_train_function()
+    keras_function = model.train_function
+    model.train_function = lambda iterator: keras_function(iterator)
+    unknown = model.train_function
+    assert not keras_hooks.retrace_train_function(model)
+    assert model.train_function is unknown
+    model.train_function = keras_function
+    assert keras_hooks.retrace_train_function(model)  # Keras's own: built anew
+    assert model.train_function is not keras_function
 
 
 class Sigterm(keras.callbacks.Callback):

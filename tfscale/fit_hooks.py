@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -115,8 +116,15 @@ def _on_set_model(callback_list, model):
 def _after_train_batch(model):
     strategy = _multi_worker_strategy(model)
     tuner = getattr(strategy, "autotune", None)
-    if tuner is not None and tuner.retrace_due():
-        keras_hooks.retrace_train_function(model)
+    if tuner is None or not tuner.retrace_due():
+        return
+    if not keras_hooks.retrace_train_function(model):
+        logging.warning(
+            "tfscale autotune: model.train_function is wrapped by code tfscale does "
+            "not know, so it is not traced again: the chosen all-reduce keeps "
+            "running through the trials' switches (correct, slower). To run it "
+            "as fast as a fixed plan, name the chosen algorithm and fusion "
+            "threshold (the chief logged them) instead of algorithm='auto'.")
 
 
 def _redirect(callback, attribute):

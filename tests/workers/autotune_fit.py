@@ -24,6 +24,7 @@ from absl import flags
 import keras
 import tensorflow as tf
 import tfscale
+from tfscale import checkpoint
 from tfscale.collectives import autotune
 from report import report
 from sharded_data import round_robin
@@ -123,15 +124,19 @@ def main(argv):
             stored = json.load(f)
     # Backed up as a user would: its train function, built anew once the
     # stored choice is agreed, goes under the callback's wrapper.
+    backup_dir = os.path.join(FLAGS.autotune_dir, "backup")
     _, results["restarted"] = train("auto", FLAGS.autotune_dir, callbacks=[
-        tfscale.callbacks.BackupAndRestore(os.path.join(FLAGS.autotune_dir, "backup"),
-                                           save_freq=10)])
+        tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=10,
+                                           delete_checkpoint=False)])
+    results["restarted"]["backup"] = checkpoint.state(backup_dir)
     # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
     # all-reduces are tuned too, each its own call site (a bucket per
     # tensor, one threshold: 9 candidate trials and 2 of the mix, so 12
-    # compressed steps of 14 decide).
+    # compressed steps decide, at step 13), and traced again after them
+    # although the uncompressed steps' all-reduce never chose (its branch
+    # ran twice): the last 2 of 16 steps run the choice as a fixed plan.
     _, results["default+powersgd"] = train(
-        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=14,
+        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=16,
         fusion_bytes=0)
     results["custom_loop"] = custom_loop(FLAGS.steps)
     report({"worker_index": strategy.worker_index, "results": results,

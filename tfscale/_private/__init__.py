@@ -94,7 +94,9 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_choice_and_match_the_ring
   (the tuner stops counting steps at the decision: the function was
   traced again); tests/test_backup_and_restore.py,
-  test_a_train_function_built_anew_mid_fit_stays_under_the_backup.
+  test_a_train_function_built_anew_mid_fit_goes_under_the_backups_wrapper
+  (the name of the function Keras returns, checked by
+  test_a_train_function_wrapped_by_unknown_code_is_left_as_it_is).
 - `keras.src.losses.loss.scale_loss_for_distribution` and
   `unscale_loss_for_distribution` (`route_loss_scaling`): Keras's
   `1 / num_workers` loss scaling, which Keras's losses, its train and test

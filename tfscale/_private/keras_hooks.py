@@ -156,12 +156,12 @@ _batch_end_hooks = []
 
 
 def add_train_batch_end_hook(hook):
-    """Calls `hook(model)` after every callback's `on_train_batch_end` of
-    each `fit`, in the training loop's own thread: before the next batch on
-    every worker alike, even where Keras dispatches the callbacks'
-    `on_train_batch_end` to a thread pool (`CallbackList._async_train`).
-    Wraps `keras.callbacks.CallbackList.on_train_batch_end` once per
-    process; a hook added twice runs once."""
+    """Calls `hook(model)` after each batch of each `fit`, in the training
+    loop's own thread once the callbacks' `on_train_batch_end` are called or
+    handed to Keras's thread pool (`CallbackList._async_train`): before
+    the next batch on every worker alike. Wraps
+    `keras.callbacks.CallbackList.on_train_batch_end` once per process; a
+    hook added twice runs once."""
     if hook not in _batch_end_hooks:
         _batch_end_hooks.append(hook)
     callback_list = keras.callbacks.CallbackList
@@ -178,17 +178,31 @@ def add_train_batch_end_hook(hook):
     callback_list.on_train_batch_end = on_train_batch_end
 
 
+# What Keras 3.15's TensorFlow trainer returns as a train function
+# (keras.src.backend.tensorflow.trainer, `_make_function`).
+_KERAS_TRAIN_FUNCTION = "TensorFlowTrainer._make_function.<locals>.function"
+
+
 def retrace_train_function(model):
-    """Makes Keras build `model`'s train function anew: its next call traces
-    it again. Where a tfscale callback wraps Keras's train function (its
-    `wrapped_train_function`, as `tfscale.callbacks.BackupAndRestore`
-    does), the new one goes under the wrapper."""
+    """Makes Keras build `model`'s train (and test) function anew: its next
+    call traces it again. Where a tfscale callback wraps Keras's train
+    function (holding it in `wrapped_train_function`, as
+    `tfscale.callbacks.BackupAndRestore` does), the new one goes under the
+    wrapper. Returns False, changing nothing, where the train function is
+    neither Keras's own nor such a wrapper (a wrapper tfscale does not know
+    would be lost)."""
     current = model.train_function
-    model.make_train_function(force=True)
     wrapper = getattr(current, "__self__", None)
-    if wrapper is not None and hasattr(wrapper, "wrapped_train_function"):
+    wrapped = wrapper is not None and hasattr(wrapper, "wrapped_train_function")
+    if not wrapped and getattr(current, "__qualname__", None) != _KERAS_TRAIN_FUNCTION:
+        return False
+    model.make_train_function(force=True)
+    if wrapped:
         wrapper.wrapped_train_function = model.train_function
         model.train_function = current
+    if model.test_function is not None:
+        model.make_test_function(force=True)
+    return True
 
 
 def route_optimizer_updates(reducer_for):

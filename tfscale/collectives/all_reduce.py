@@ -316,6 +316,7 @@ class AllReduce:
                     # as one (the cases' branches return only once their
                     # whole branch has run, so cases cannot pipeline).
                     threshold, buckets = self.autotuner.chosen_buckets(tuning, plans)
+                    tuning.retraced = True
                     self._log(buckets, chosen=(tuning, threshold))
                     tuning, plans = None, [buckets]
             if untried:
@@ -370,8 +371,9 @@ class AllReduce:
         threshold = ""
         if chosen is not None:
             tuned, number = chosen
-            threshold = (f", auto: the choice made after {tuned.trial_steps} trial "
-                         "steps (or stored), traced again as a fixed plan")
+            made = ("the stored choice" if tuned.stored is not None else
+                    f"the choice made after {tuned.trial_steps} trial steps")
+            threshold = f", auto: {made}, traced again as a fixed plan"
             if len(tuned.thresholds) > 1:
                 threshold += f" at fusion threshold {tuned.thresholds[number]:,} bytes"
         elif self.algorithm == "hybrid" and self.hybrid_threshold_bytes is None:

@@ -207,6 +207,10 @@ class TunedPlan:
         """All its trial steps: the candidates', then the mix's."""
         return trial_steps(len(self.candidates), len(self.thresholds), self.mixes)
 
+    def decided_at(self, calls):
+        """Whether its choice is made after `calls` calls (its step count)."""
+        return calls > self.trial_steps
+
     @property
     def times_spans(self):
         """Whether its calls are timed whole: the spans choose between
@@ -234,8 +238,9 @@ class AutoTuner:
         self.plans = {}
         self._buckets_used = 0
         self._calls = weakref.WeakKeyDictionary()  # traced function -> calls so far
-        # Traced function -> the plans it traced with their trials (`begin`).
-        self._trial_graphs = weakref.WeakKeyDictionary()
+        # Plan number -> its step count when `retrace_due` last looked, for
+        # each plan a function traced with its trials (`begin`).
+        self._tried = {}
         self._writing = threading.Lock()  # plans may decide in the same step
         with tf.device(device), tf.init_scope():
             # Seconds of each bucket's trial per candidate and timed round.
@@ -280,17 +285,21 @@ class AutoTuner:
         return stored
 
     def call_site(self, buckets_key):
-        """The key of this call: which traced function makes it, its place
-        among that function's all-reduces, and its buckets. Every worker
-        traces the same functions alike, so it names the same call on each;
-        two calls with equal buckets in one step keep apart (they must not
-        share a step count). Eager calls share one key per bucket list."""
-        outermost = _outermost_function_graph()
-        if outermost is None:
+        """The key of this call: the traced functions it is made in (the
+        outermost first), its place among the innermost one's all-reduces,
+        and its buckets. Every worker traces the same functions alike, so it
+        names the same call on each; two calls with equal buckets in one
+        step keep apart (they must not share a step count); a function
+        traced again names its calls as before (the trace that finds a
+        choice made, and TensorFlow's second trace of a function whose
+        first created variables, as PowerSGD's state). Eager calls share
+        one key per bucket list."""
+        functions = _function_graphs()
+        if not functions:
             return f"eager; {buckets_key}"
-        ordinal = self._calls.get(outermost, 0)
-        self._calls[outermost] = ordinal + 1
-        return f"{outermost.name} #{ordinal}; {buckets_key}"
+        ordinal = self._calls.get(functions[-1], 0)
+        self._calls[functions[-1]] = ordinal + 1
+        return f"{'/'.join(g.name for g in functions)} #{ordinal}; {buckets_key}"
 
     def tuned_plan(self, key, candidates, fixed, thresholds=(None,),
                    bucket_thresholds=None):
@@ -350,35 +359,44 @@ class AutoTuner:
         """Whether `plan`'s choice is made, read now (when tracing: by the
         steps run so far; every worker has run the same)."""
         with tf.init_scope():
-            return bool(self.steps[plan.number].numpy() > plan.trial_steps)
+            return plan.decided_at(self.steps[plan.number].numpy())
 
     def chosen_buckets(self, plan, plans):
         """`(threshold index, buckets)`: the chosen threshold's plan from
         `plans` (one per threshold), each bucket its chosen algorithm, read
-        now; `plan` counts as traced with its choice (`choices()`)."""
+        now."""
         with tf.init_scope():
             threshold = int(self.threshold[plan.number].numpy())
             chosen = self.chosen[plan.offset:plan.offset + plan.num_buckets].numpy()
-        plan.retraced = True
         return threshold, fixed_buckets(plans[threshold], plan.candidates,
                                         [chosen[b] for b in plan.buckets_of(threshold)])
 
     def retrace_due(self):
-        """Whether a function traced with trials has made every choice it
-        tries (at most once per function): traced again, each of its
-        all-reduces runs its choice as a fixed plan would, without the
-        cases that kept the trials (`fit` does it; module docstring). A
-        custom loop can build its `tf.function` again when this is True,
-        at the same step on every worker."""
-        if not self._trial_graphs:
+        """Whether to build the traced functions anew now, so that each
+        all-reduce whose choice is made runs it as a fixed plan would,
+        without the trials' cases (module docstring). `fit` asks after each
+        batch (tfscale/fit_hooks.py); a custom loop asks after each step and
+        builds its `tf.function` again when it is True.
+
+        True once per batch of choices: when a plan traced with its trials
+        has chosen since the last True, and every such plan that ran since
+        the last call has chosen too (one that still tries holds the others
+        back, so a function is traced again once, not per all-reduce; one
+        that stopped running, in a branch no longer taken, does not). It
+        reads only the step counts, which every worker has alike at the same
+        call: every worker sees True at the same step."""
+        if not self._tried:
             return False
         steps = self.steps.numpy()
-        by_number = {plan.number: plan for plan in self.plans.values()}
-        due = [graph for graph, numbers in self._trial_graphs.items()
-               if all(steps[n] > by_number[n].trial_steps for n in numbers)]
-        for graph in due:
-            del self._trial_graphs[graph]
-        return bool(due)
+        plans = {plan.number: plan for plan in self.plans.values()}
+        ran = [n for n, seen in self._tried.items() if steps[n] != seen]
+        chosen = [n for n in self._tried if plans[n].decided_at(steps[n])]
+        self._tried.update((n, steps[n]) for n in self._tried)
+        if not chosen or not all(plans[n].decided_at(steps[n]) for n in ran):
+            return False
+        for n in chosen:
+            del self._tried[n]
+        return True
 
     def begin(self, plan, world):
         """Traces the start of one call of `plan`: the agreement on a stored
@@ -386,9 +404,9 @@ class AutoTuner:
         candidates' trials, where it mixes), the decision (first step after
         all trials); returns a `Call` whose `run` picks each bucket's
         algorithm (and `select` each tensor's threshold)."""
-        outermost = _outermost_function_graph()
-        if outermost is not None:
-            self._trial_graphs.setdefault(outermost, set()).add(plan.number)
+        if _function_graphs():  # eager calls need no retrace
+            with tf.init_scope():
+                self._tried.setdefault(plan.number, self.steps[plan.number].numpy())
         step = self.steps[plan.number]
         candidate_steps, trial_steps = plan.candidate_steps, plan.trial_steps
         rows = tf.range(plan.offset, plan.offset + plan.num_buckets)
@@ -591,7 +609,7 @@ class AutoTuner:
         spans = self.span_seconds.numpy()
         result = {}
         for key, plan in self.plans.items():
-            decided = steps[plan.number] > plan.trial_steps
+            decided = plan.decided_at(steps[plan.number])
             threshold = int(thresholds[plan.number]) if decided else 0
             own = plan.buckets_of(threshold)
             rows = [plan.offset + b for b in own]
@@ -712,11 +730,13 @@ def fixed_buckets(buckets, candidates, choices):
             for b, c in zip(buckets, choices)]
 
 
-def _outermost_function_graph():
-    """The outermost `FuncGraph` being traced (the function a user or Keras
-    calls), or None when eager."""
-    graph = tf.compat.v1.get_default_graph()
-    outermost = None
+def _function_graphs():
+    """The `FuncGraph`s of the functions being traced, the outermost (the
+    one a user or Keras calls) first, leaving out the branches and loop
+    bodies of control flow; [] when eager."""
+    graph, functions = tf.compat.v1.get_default_graph(), []
     while hasattr(graph, "outer_graph"):  # a FuncGraph
-        outermost, graph = graph, graph.outer_graph
-    return outermost
+        if not getattr(graph, "is_control_flow_graph", False):
+            functions.append(graph)
+        graph = graph.outer_graph
+    return functions[::-1]

@@ -137,8 +137,11 @@ class CommunicationOptions:
       start during backprop, at more ops each step), taking turns, and
       keeps the threshold and configuration (one candidate for every
       buffer, or the mix) that left the least from the first gradient
-      ready to the last result. The chief logs the choice and, given
-      `autotune_dir`, stores it there; a restart reuses it without
+      ready to the last result. Then `fit` has Keras trace its train
+      function again, and the choice runs as a fixed plan would (a custom
+      loop builds its `tf.function` anew when
+      `strategy.autotune.retrace_due()`). The chief logs the choice and,
+      given `autotune_dir`, stores it there; a restart reuses it without
       trials. `cost_model` orders the trials and breaks ties.
       Nothing to try with one node or one worker per node (a ring); inside
       XLA or under op determinism no trials (the cost model's choice). See
