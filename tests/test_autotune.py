@@ -158,7 +158,8 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         args=[f"--autotune_dir={autotune_dir}", "--steps=27"], timeout=300)
     multiworker.assert_succeeded(run)
     results = [r["results"] for r in run.results]
-    names = ("ring", "default", "restarted", "default+powersgd", "custom_loop")
+    names = ("ring", "default", "restarted", "default+powersgd", "custom_loop",
+             "chief_wrapped")
     for name in names:  # every worker the same weights
         for other in results[1:]:
             np.testing.assert_array_equal(_flat(other[name]["weights"]),
@@ -251,7 +252,15 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         plan = gradients(loop)
         assert plan["retraced"] and plan["steps"] == 23
         assert plan["choices"] == gradients(results[0]["custom_loop"])["choices"]
+    # Where the chief's train function is wrapped by code tfscale does not
+    # know, no worker traces it again (all 25 steps counted everywhere, and
+    # no hang), and the chief says why.
+    for result in results:
+        plan = gradients(result["chief_wrapped"])
+        assert plan["steps"] == 25 and not plan["retraced"] and plan["choices"]
     chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
+    assert any("wrapped by code tfscale does not know on worker(s) 0, so no worker "
+               "traces it again" in l for l in chief)
     assert any("tfscale autotune: " in l and "chose after 22 trial steps" in l
                for l in chief)
     assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "

@@ -102,7 +102,8 @@ class BuildAnew(keras.callbacks.Callback):
         if int(self.model.optimizer.iterations.numpy()) == self.at_step:
             before = self.model.train_function
             inner = before.__self__.wrapped_train_function
-            built = keras_hooks.retrace_train_function(self.model)
+            built = keras_hooks.can_retrace_train_function(self.model)
+            keras_hooks.retrace_train_function(self.model)
             self.seen = dict(built=built, before=before, inner=inner,
                              after=self.model.train_function,
                              inner_after=before.__self__.wrapped_train_function)
@@ -124,17 +125,27 @@ def test_a_train_function_built_anew_mid_fit_goes_under_the_backups_wrapper(tmp_
     assert json.loads((backup / "state.json").read_text())["step"] == 6
 
 
-def test_a_train_function_wrapped_by_unknown_code_is_left_as_it_is():
+def test_only_keras_functions_or_tfscale_wrappers_of_them_are_built_anew(tmp_path):
     model, _, _ = model_and_data(False)
     model.make_train_function()
     keras_function = model.train_function
+    assert keras_hooks.can_retrace_train_function(model)
+    keras_hooks.retrace_train_function(model)
+    assert model.train_function is not keras_function  # Keras's own: built anew
+    # A wrapper tfscale does not know, outside or under tfscale's own.
     model.train_function = lambda iterator: keras_function(iterator)
-    unknown = model.train_function
-    assert not keras_hooks.retrace_train_function(model)
-    assert model.train_function is unknown
-    model.train_function = keras_function
-    assert keras_hooks.retrace_train_function(model)  # Keras's own: built anew
-    assert model.train_function is not keras_function
+    assert not keras_hooks.can_retrace_train_function(model)
+    backup = callbacks.BackupAndRestore(tmp_path / "backup")
+    backup.wrapped_train_function = model.train_function
+    model.train_function = backup.on_train_end  # any bound method of it
+    assert not keras_hooks.can_retrace_train_function(model)
+    backup.wrapped_train_function = keras_function
+    assert keras_hooks.can_retrace_train_function(model)
+    # A test function wrapped by unknown code.
+    model.make_test_function()
+    test_function = model.test_function
+    model.test_function = lambda iterator: test_function(iterator)
+    assert not keras_hooks.can_retrace_train_function(model)
 
 
 class Sigterm(keras.callbacks.Callback):

@@ -37,8 +37,10 @@ import tempfile
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
+from tfscale import agreement
 from tfscale._private import accessors
 from tfscale._private import keras_hooks
 
@@ -118,13 +120,21 @@ def _after_train_batch(model):
     tuner = getattr(strategy, "autotune", None)
     if tuner is None or not tuner.retrace_due():
         return
-    if not keras_hooks.retrace_train_function(model):
-        logging.warning(
-            "tfscale autotune: model.train_function is wrapped by code tfscale does "
-            "not know, so it is not traced again: the chosen all-reduce keeps "
-            "running through the trials' switches (correct, slower). To run it "
-            "as fast as a fixed plan, name the chosen algorithm and fusion "
-            "threshold (the chief logged them) instead of algorithm='auto'.")
+    # Every worker traces again or none does: their collectives must match.
+    # retrace_due is True at the same batch everywhere; what wraps the
+    # functions may not be the same everywhere (a callback on the chief only).
+    able = agreement.gather(
+        strategy, np.array([keras_hooks.can_retrace_train_function(model)], np.int32))
+    if able.all():
+        keras_hooks.retrace_train_function(model)
+        return
+    logging.warning(
+        "tfscale autotune: model.train_function or test_function is wrapped by "
+        "code tfscale does not know on worker(s) %s, so no worker traces it again: "
+        "the chosen all-reduce keeps running through the trials' switches "
+        "(correct, slower). To run it as fast as a fixed plan, name the chosen "
+        "algorithm and fusion threshold (the chief logged them) instead of "
+        "algorithm='auto'.", ", ".join(str(i) for i in np.flatnonzero(able == 0)))
 
 
 def _redirect(callback, attribute):

@@ -1,11 +1,12 @@
 """Keras `fit` under `algorithm="auto"` (2 nodes of 2), against the ring.
 
-Five trainings of the same model from the same seed, one strategy each,
+Six trainings of the same model from the same seed, one strategy each,
 built one after another as a user would: `ring`; the default algorithm
 (None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
 stored by the chief); `algorithm="auto"` with the same directory, as a
 restarted job (the chief finds the choice: no trials); the default with
-PowerSGD; "auto" in a custom training loop. The default's first training runs 3 steps per execution: 8
+PowerSGD; "auto" in a custom training loop; the default under a callback
+that wraps the train function on the chief only. The default's first training runs 3 steps per execution: 8
 executions (24 steps) try both fusion thresholds and decide, then Keras
 traces its train function again and the 9th runs the choice as a fixed
 plan. Reports each one's weights, its autotuner's state and what the chief
@@ -74,6 +75,16 @@ def train(algorithm, autotune_dir=None, steps_per_execution=1, powersgd=None,
     return strategy, result
 
 
+class WrapOnChief(keras.callbacks.Callback):
+    """Wraps `model.train_function` on the chief only, as a callback given
+    on the chief alone may: no worker may then trace it again."""
+
+    def on_train_begin(self, logs=None):
+        if self.model.distribute_strategy.worker_index == 0:
+            keras_function = self.model.train_function
+            self.model.train_function = lambda iterator: keras_function(iterator)
+
+
 def custom_loop(steps):
     """TensorFlow's custom-training-loop tutorial under algorithm="auto",
     its `tf.function` built anew when `strategy.autotune.retrace_due()` (as
@@ -139,6 +150,7 @@ def main(argv):
         None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=16,
         fusion_bytes=0)
     results["custom_loop"] = custom_loop(FLAGS.steps)
+    _, results["chief_wrapped"] = train(None, steps=25, callbacks=[WrapOnChief()])
     report({"worker_index": strategy.worker_index, "results": results,
             "stored": stored})
 

@@ -96,7 +96,7 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   traced again); tests/test_backup_and_restore.py,
   test_a_train_function_built_anew_mid_fit_goes_under_the_backups_wrapper
   (the name of the function Keras returns, checked by
-  test_a_train_function_wrapped_by_unknown_code_is_left_as_it_is).
+  test_only_keras_functions_or_tfscale_wrappers_of_them_are_built_anew).
 - `keras.src.losses.loss.scale_loss_for_distribution` and
   `unscale_loss_for_distribution` (`route_loss_scaling`): Keras's
   `1 / num_workers` loss scaling, which Keras's losses, its train and test

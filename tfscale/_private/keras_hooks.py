@@ -178,31 +178,45 @@ def add_train_batch_end_hook(hook):
     callback_list.on_train_batch_end = on_train_batch_end
 
 
-# What Keras 3.15's TensorFlow trainer returns as a train function
+# What Keras 3.15's TensorFlow trainer returns as a train or test function
 # (keras.src.backend.tensorflow.trainer, `_make_function`).
-_KERAS_TRAIN_FUNCTION = "TensorFlowTrainer._make_function.<locals>.function"
+_KERAS_FUNCTION = "TensorFlowTrainer._make_function.<locals>.function"
+
+
+def _is_keras_function(function):
+    return getattr(function, "__qualname__", None) == _KERAS_FUNCTION
+
+
+def _train_function_wrapper(model):
+    """The tfscale callback whose wrapper is `model.train_function` (it
+    holds Keras's in `wrapped_train_function`, as
+    `tfscale.callbacks.BackupAndRestore` does), or None."""
+    wrapper = getattr(model.train_function, "__self__", None)
+    return wrapper if hasattr(wrapper, "wrapped_train_function") else None
+
+
+def can_retrace_train_function(model):
+    """Whether `retrace_train_function` would lose no wrapper: the train
+    function is Keras's own or a tfscale wrapper of Keras's own, and the
+    test function Keras's own or not built yet."""
+    wrapper = _train_function_wrapper(model)
+    train = model.train_function if wrapper is None else wrapper.wrapped_train_function
+    return _is_keras_function(train) and (
+        model.test_function is None or _is_keras_function(model.test_function))
 
 
 def retrace_train_function(model):
     """Makes Keras build `model`'s train (and test) function anew: its next
-    call traces it again. Where a tfscale callback wraps Keras's train
-    function (holding it in `wrapped_train_function`, as
-    `tfscale.callbacks.BackupAndRestore` does), the new one goes under the
-    wrapper. Returns False, changing nothing, where the train function is
-    neither Keras's own nor such a wrapper (a wrapper tfscale does not know
-    would be lost)."""
-    current = model.train_function
-    wrapper = getattr(current, "__self__", None)
-    wrapped = wrapper is not None and hasattr(wrapper, "wrapped_train_function")
-    if not wrapped and getattr(current, "__qualname__", None) != _KERAS_TRAIN_FUNCTION:
-        return False
+    call traces it again. Under a tfscale wrapper (`_train_function_wrapper`)
+    the new train function goes under the wrapper. Check
+    `can_retrace_train_function` first: any other wrapper would be lost."""
+    current, wrapper = model.train_function, _train_function_wrapper(model)
     model.make_train_function(force=True)
-    if wrapped:
+    if wrapper is not None:
         wrapper.wrapped_train_function = model.train_function
         model.train_function = current
     if model.test_function is not None:
         model.make_test_function(force=True)
-    return True
 
 
 def route_optimizer_updates(reducer_for):

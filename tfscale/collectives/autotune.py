@@ -289,11 +289,14 @@ class AutoTuner:
         outermost first), its place among the innermost one's all-reduces,
         and its buckets. Every worker traces the same functions alike, so it
         names the same call on each; two calls with equal buckets in one
-        step keep apart (they must not share a step count); a function
+        function keep apart (their step counts must not mix); a function
         traced again names its calls as before (the trace that finds a
         choice made, and TensorFlow's second trace of a function whose
-        first created variables, as PowerSGD's state). Eager calls share
-        one key per bucket list."""
+        first created variables, as PowerSGD's state). Two functions of
+        one name traced inside one outer function (one `tf.function`
+        traced for two signatures) share their calls' names and step
+        counts: their choice is then made on both calls' times, alike on
+        every worker. Eager calls share one key per bucket list."""
         functions = _function_graphs()
         if not functions:
             return f"eager; {buckets_key}"
