@@ -21,10 +21,12 @@ devices when compiling with XLA"). Keras's default, `jit_compile="auto"`, is
 `False` under a distribution strategy. Steps compiled by XLA are not timed
 (see `CommunicationOptions.time_all_reduces`).
 
-Under `algorithm="auto"`, once every all-reduce a train function tries has
-made its choice (`AutoTuner.retrace_due`), Keras builds that function anew
-after the batch, on every worker alike: traced again, each all-reduce runs
-its choice as a fixed plan (tfscale/collectives/autotune.py says why).
+Under `algorithm="auto"`, once the tuned all-reduces still running have
+made their choice (`AutoTuner.retrace_due`), Keras builds the train and
+test functions anew after the batch, on every worker or on none (where a
+worker's are wrapped by code tfscale does not know): traced again, each
+all-reduce runs its choice as a fixed plan (tfscale/collectives/autotune.py
+says why).
 
 `tfscale.strategy` installs these with a predicate that tells its
 strategies (`install`); this module imports no strategy.

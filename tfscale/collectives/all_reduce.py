@@ -296,7 +296,7 @@ class AllReduce:
         backward = list(reversed(tensors))
         buckets = self.plan(tensors)
         plans = [buckets]
-        tuning, untried = None, False
+        tuning, untried, chosen = None, False, None
         if any(b.candidates for b in buckets):
             # No trials inside XLA (no tf.timestamp), nor under op
             # determinism (a choice by timings would differ between runs).
@@ -317,12 +317,12 @@ class AllReduce:
                     # whole branch has run, so cases cannot pipeline).
                     threshold, buckets = self.autotuner.chosen_buckets(tuning, plans)
                     tuning.retraced = True
-                    self._log(buckets, chosen=(tuning, threshold))
+                    chosen = (tuning, threshold)
                     tuning, plans = None, [buckets]
             if untried:
                 buckets = [self._prior_choice(b) for b in buckets]
                 plans = [buckets]
-        self._log(buckets, tuning, untried, plans)
+        self._log(buckets, tuning, untried, plans, chosen)
         last = len(tensors) - 1
 
         def note(indices=None, **fields):  # indices in the order given to us
@@ -364,6 +364,8 @@ class AllReduce:
                                    candidates=())
 
     def _log(self, buckets, tuning=None, untried=False, plans=(), chosen=None):
+        """Logs the plan of `buckets` once (the chief); `chosen`: `(tuned
+        plan, threshold index)` where auto traces its choice as a fixed plan."""
         key = tuple((b.indices, b.size_bytes, b.dtype, b.algorithm) for b in buckets)
         if not self.log_plans or key in self._logged:
             return
