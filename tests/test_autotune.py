@@ -90,7 +90,7 @@ def test_a_bad_cost_model_file_is_named(tmp_path):
     assert cost_model_lib.load(str(good)) == cost_model_lib.DEFAULT
 
 
-def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path):
+def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path, caplog):
     (tmp_path / autotune.FILE_NAME).write_text("{not json")
     assert autotune.AutoTuner(directory=tmp_path, is_chief=True).plans == {}
     tuner = autotune.AutoTuner(directory=tmp_path, is_chief=True)
@@ -103,6 +103,10 @@ def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path):
     # Other candidates (another topology's, another cost model's order): tried again.
     other = autotune.AutoTuner(directory=tmp_path, is_chief=True)
     assert other.tuned_plan("f #0; x", ("2d", "ring"), (None, "ring")).stored is None
+    # A call the file has no choice for (another call's name): tried, and said.
+    with caplog.at_level("INFO"):
+        assert other.tuned_plan("g #0; x", ("ring", "2d"), (None, "ring")).stored is None
+    assert f"none of the 1 choices stored in {tmp_path / autotune.FILE_NAME} is for g #0" in caplog.text
 
 
 def test_a_stored_threshold_is_restored_with_the_choice(tmp_path):

@@ -345,6 +345,11 @@ class AutoTuner:
         (tried again). The key names every threshold's buckets."""
         stored = self._stored.get(key)
         if stored is None:
+            if self._stored:  # said, so that a restart that tries again says why
+                logging.info("tfscale autotune: none of the %d choices stored in %s "
+                             "is for %s (they are other calls': other code's, or "
+                             "another tfscale version's); it is tried.",
+                             len(self._stored), self.path(), key.split(";")[0])
             return None
         choices = stored.get("choices")
         threshold = stored.get("threshold_index", 0)
