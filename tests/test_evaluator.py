@@ -145,7 +145,11 @@ def test_a_waiting_evaluator_stops_on_ctrl_c_and_sigterm(tmp_path, signal_number
     process = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2"),
+        # Ctrl-C's default, whatever this process inherited: a suite started
+        # in the background (`pytest ... &`) ignores SIGINT, and so would
+        # the evaluator it starts.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout.readline() == "waiting\n"
         time.sleep(1)  # in the polling loop
