@@ -107,6 +107,11 @@ def test_an_unreadable_or_foreign_stored_choice_is_tried_again(tmp_path, caplog)
     with caplog.at_level("INFO", logger="absl"):  # whatever level absl was left at
         assert other.tuned_plan("g #0; x", ("ring", "2d"), (None, "ring")).stored is None
     assert f"none of the 1 choices stored in {tmp_path / autotune.FILE_NAME} is for g #0" in caplog.text
+    # A choice made in this run (`tuner` read nothing) is not one the file held.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="absl"):
+        assert tuner.tuned_plan("h #0; x", ("ring", "2d"), (None, "ring")).stored is None
+    assert "choices stored in" not in caplog.text
 
 
 def test_a_stored_threshold_is_restored_with_the_choice(tmp_path):

@@ -263,6 +263,7 @@ class AutoTuner:
                          tf.float32), trainable=False, name="autotune_span_seconds")
         # The chief's stored choices by key; what it decides is added.
         self._stored = self._load() if is_chief else {}
+        self._num_read = len(self._stored)  # read from the file, not decided here
 
     def path(self):
         return None if self.directory is None else os.path.join(self.directory, FILE_NAME)
@@ -345,11 +346,11 @@ class AutoTuner:
         (tried again). The key names every threshold's buckets."""
         stored = self._stored.get(key)
         if stored is None:
-            if self._stored:  # said, so that a restart that tries again says why
+            if self._num_read:  # said, so that a restart that tries again says why
                 logging.info("tfscale autotune: none of the %d choices stored in %s "
                              "is for %s (they are other calls': other code's, or "
                              "another tfscale version's); it is tried.",
-                             len(self._stored), self.path(), key.split(";")[0])
+                             self._num_read, self.path(), key.split(";")[0])
             return None
         choices = stored.get("choices")
         threshold = stored.get("threshold_index", 0)
