@@ -103,6 +103,14 @@ def test_train_reports_throughput_efficiency_and_exposed_communication_per_thres
         "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=420)
     stock, lockstep, row, small = json.loads(output.read_text())
     assert stock["config"] == "stock" and 0 < stock["exposed_communication_seconds"]
+    # Every row says what a step all-reduces: the model's size at this input
+    # (AlexNet-BN's depends on it), counted by the workers.
+    import numpy as np
+    from tfscale import models
+    model = models.get("alexnet_bn", num_classes=1000, input_shape=(67, 67, 3), fc_units=16)
+    floats = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert {r["gradient_floats"] for r in (stock, lockstep, row, small)} == {floats}
+    assert f"# gradients: {floats:,} trainable parameters = {4 * floats / 1e6:.1f} MB" in stdout
     assert stock["fusion_threshold_bytes"] is None and "gradient_buckets" not in stock
     # Lockstep ran once, without a threshold, and each timed step's barrier
     # joined both workers.

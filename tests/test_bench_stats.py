@@ -79,3 +79,17 @@ def test_the_cluster_is_described_with_its_nodes_and_link():
         "inter-node link tbf 200mbit = 25.0 MB/s per direction")
     uneven = {"num_workers": 3, "node_sizes": [2, 1], "emulate_nodes": None}
     assert stats.describe_cluster(uneven).startswith("3 workers in nodes of sizes [2, 1]")
+
+
+def test_the_train_header_gives_the_gradients_and_their_link_bound():
+    from tfscale.launch.bench import train
+    # AlexNet-BN at 224 x 224 on 2 nodes joined by 200 Mbit/s (BENCHMARKS.md
+    # section 4 once took it for the 227 x 227 model's 249.5 MB).
+    line = train.gradients_line(50_845_896, {"node_sizes": [2, 2], "link_rate": 25e6})
+    assert line == ("# gradients: 50,845,896 trainable parameters = 203.4 MB in float32 "
+                    "(MB = 1e6 bytes) per step; link bound 8135 ms per step with float32 "
+                    "on the wire, 4068 ms in 16 bits")
+    # One node, or no rate: no bound.
+    assert train.gradients_line(1000, {"node_sizes": [4], "link_rate": None}) == (
+        "# gradients: 1,000 trainable parameters = 0.0 MB in float32 (MB = 1e6 bytes) "
+        "per step")

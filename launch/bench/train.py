@@ -125,6 +125,8 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
                 "scaling_efficiency": throughput / (num_workers * per_worker_batch / t1[precision]),
                 "efficiency_vs_contended_compute": t_compute / step,
             })
+            rows[-1]["gradient_floats"] = _run(outputs[0], precision, "distributed",
+                                               "gradient_floats")
             buckets = _run(outputs[0], precision, "distributed", "gradient_buckets")
             if buckets:
                 rows[-1]["gradient_buckets"] = buckets
@@ -172,6 +174,19 @@ def _least_trials(reports):
                          "mix_span_milliseconds":
                              rounds["mix_span_"].mean(axis=1).round(1).tolist()})
     return merged
+
+
+def gradients_line(floats, context):
+    """What each step all-reduces and, on a rate-limited link, the least
+    time that takes (BENCHMARKS.md, "The link bound")."""
+    line = (f"# gradients: {floats:,} trainable parameters = "
+            f"{4 * floats / 1e6:.1f} MB in float32 (MB = 1e6 bytes) per step")
+    bound = stats.link_bound_seconds(4 * floats, len(context["node_sizes"]),
+                                     context["link_rate"])
+    if bound is not None:
+        line += (f"; link bound {bound * 1e3:.0f} ms per step with float32 on the wire, "
+                 f"{bound * 1e3 / 2:.0f} ms in 16 bits")
+    return line
 
 
 def _run(output, precision, phase, key="step_seconds"):
@@ -256,6 +271,7 @@ def main():
               f" (auto: after {collectives.autotune.DECIDED_BY_STEP} more for its "
               "trials and decision)" if any(algorithm == collectives.autotune.NAME
                                              for _, algorithm, _ in configs) else ""))
+    print(gradients_line(rows[0]["gradient_floats"], ctx))
     print("# compute = the same step trained alone by every worker at once (no "
           "all-reduce, same CPU sharing); exposed comm = step - compute; "
           "e = images/s / (N x 1 worker images/s); 1 worker = one worker alone "
