@@ -104,7 +104,10 @@ def alexnet_bn(
         fc8 1000 (logits)                    1,000       4,097,000
         total: 62,380,232 trainable + 3,264 non-trainable = 62,383,496
 
-    The smallest input is 67x67 (pool5 then has 1x1 spatial extent); at 96x96
+    The size depends on the input: at 224x224 pool5 is 5x5, fc6 has
+    26,218,496 parameters and the model 50,845,896 trainable ones (203.4 MB
+    of float32 gradients, against 249.5 MB at 227x227). The smallest input is
+    67x67 (pool5 then has 1x1 spatial extent); at 96x96
     pool5 is also 1x1, which with a small ``fc_units`` makes a fast test model.
 
     There is no weight decay in the model: the optimizer applies it (and skips

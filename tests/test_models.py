@@ -121,6 +121,11 @@ def test_alexnet_bn_parameter_counts():
     assert model.count_params() == 62_383_496
     assert model.get_layer("pool5").output.shape == (None, 6, 6, 256)
     assert model.output.shape == (None, 1000)
+    # At 224 x 224 (the training benchmarks' input) pool5 is 5 x 5: fc6,
+    # and so every step's gradients, shrink (BENCHMARKS.md section 4).
+    at_224 = models.alexnet_bn(input_shape=(224, 224, 3))
+    assert at_224.get_layer("pool5").output.shape == (None, 5, 5, 256)
+    assert _count(at_224.trainable_weights) == 50_845_896
 
 
 def test_alexnet_bn_batchnorm_after_every_conv_and_pool5(small_model):

@@ -108,7 +108,8 @@ def _fit(spec, strategy, extra_callbacks=()):
     """Timed steps of `model.fit`; alone when `strategy` is None.
 
     Returns:
-        `{"step_seconds": [...]}`, plus `"exposed_communication_seconds": [...]` (per
+        `{"step_seconds": [...], "gradient_floats": n}` (the trainable
+        parameters), plus `"exposed_communication_seconds": [...]` (per
         step, measured in the step) under a strategy.
     """
     size = spec["image_size"]
@@ -134,8 +135,9 @@ def _fit(spec, strategy, extra_callbacks=()):
         collectives.autotune.DECIDED_BY_STEP if autotune is not None else 0)
     model.fit(dataset, epochs=1, steps_per_epoch=warmup + spec["steps"],
               callbacks=[*extra_callbacks, timer], verbose=0)
-    # What every step all-reduces (the model's size depends on --image_size:
-    # AlexNet-BN has 50.8 M parameters at 224 x 224, 62.4 M at 227 x 227).
+    # The model's gradients: what a plain all-reduce sends each step (PowerSGD
+    # sends less, lockstep nothing). The size depends on --image_size:
+    # AlexNet-BN has 50.8 M parameters at 224 x 224, 62.4 M at 227 x 227.
     timed = {"step_seconds": timer.step_seconds[warmup:],
              "gradient_floats": sum(int(np.prod(v.shape)) for v in model.trainable_variables)}
     if strategy is not None:
