@@ -146,6 +146,7 @@ def strategy_from_flags(config):
     return tfscale.Strategy(
         cluster_resolver=resolver, communication=communication_options(config),
         startup_timeout_seconds=config.startup_timeout or None,
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
     )
 
 
@@ -569,21 +570,35 @@ def describe_failure(config, error):
                     "Start every worker with the same flags and the same "
                     "version of the code, then relaunch.")
         # Collective errors name the peer's task where gRPC knows it.
-        task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+        tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        task = tf_config.get("task", {})
         own = (task.get("type"), str(task.get("index")))
         peers = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error)))
                        - {own})
         who = (", ".join(f"{job} {index}" for job, index in peers)
                if peers else "a peer worker")
+        cause, busy_link = _collective_cause(str(error)), ""
+        if _HEARTBEAT_RPC in str(error):
+            # The coordination service runs on the chief, else on worker 0.
+            who = "chief 0" if "chief" in tf_config.get("cluster", {}) else "worker 0"
+            cause = (f"this worker's heartbeat got no reply within "
+                     f"{config.heartbeat_timeout / 2:g} s")
+            busy_link = (" If every worker was alive, the reply waited behind "
+                         "the model's tensors on a busy link: raise "
+                         "--heartbeat_timeout.")
         return (
-            f"Lost contact with {who} ({type(error).__name__}: "
-            f"{_collective_cause(str(error))}). A worker died, hung or became "
-            "unreachable (TensorFlow's heartbeats notice within seconds; "
+            f"Lost contact with {who} ({type(error).__name__}: {cause}). A "
+            "worker died, hung or became unreachable (TensorFlow's heartbeats "
+            f"notice within --heartbeat_timeout={config.heartbeat_timeout:g} s; "
             f"--collective_timeout={config.collective_timeout:g} s bounds the "
-            "rest); every worker stops. Relaunch the job; with --model_dir it "
-            "resumes from the last checkpoint."
+            f"rest); every worker stops.{busy_link} Relaunch the job; with "
+            "--model_dir it resumes from the last checkpoint."
         )
     return None
+
+
+# In the error of a worker whose heartbeat to the coordination service timed out.
+_HEARTBEAT_RPC = "CoordinationService/Heartbeat"
 
 
 def _collective_cause(message):

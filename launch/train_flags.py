@@ -28,6 +28,7 @@ from tfscale import collectives
 from tfscale import recipes
 from tfscale import slurm
 from tfscale import startup
+from tfscale import strategy
 
 FLAGS = flags.FLAGS
 
@@ -35,7 +36,7 @@ FLAGS = flags.FLAGS
 # (paths can be local to each machine).
 LOCAL_FLAGS = frozenset({"data_dir", "manual_dir", "model_dir", "export_dir",
                          "verbose", "cluster_resolver", "tensorboard_dir",
-                         "startup_timeout", "evaluator_timeout",
+                         "startup_timeout", "heartbeat_timeout", "evaluator_timeout",
                          "slurm_port_base", "prepare_only", "prepare_timeout"})
 # Flags besides the `Settings` fields whose change would make a resumed run
 # train differently from the run that wrote its checkpoints.
@@ -171,6 +172,14 @@ def _define_communication_flags():
         "names those still missing) before exiting with an error naming them; "
         "0: wait as long as it takes.",
         lower_bound=0,
+    )
+    flags.DEFINE_float(
+        "heartbeat_timeout", strategy.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+        "Seconds without a heartbeat after which TensorFlow's coordination "
+        "service takes a worker for lost and every worker stops; each "
+        "heartbeat may take half of it to be answered, waiting behind the "
+        "tensors on a busy link (TensorFlow's own: 10).",
+        lower_bound=1,
     )
     flags.DEFINE_enum(
         "algorithm", None, collectives.ALGORITHMS,

@@ -267,3 +267,39 @@ def test_the_default_algorithm_stores_autos_choice_in_the_model_dir(tmp_path):
         parse(f"--model_dir={model_dir}", *args)
         options = train.communication_options(train_flags.Config.from_flags())
         assert options.autotune_dir == expected, args
+
+
+def test_a_heartbeat_without_reply_names_the_coordination_leader_and_the_flag(monkeypatch):
+    # The error a worker raises when its heartbeat to the coordination
+    # service timed out (seen behind a saturated link; tests/test_heartbeats.py).
+    import tensorflow as tf
+    from tfscale.launch import train
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222"]},
+        "task": {"type": "worker", "index": 2}}))
+    FLAGS.unparse_flags()
+    FLAGS(["tfscale-train", "--heartbeat_timeout=20"])
+    error = tf.errors.DeadlineExceededError(None, None, (
+        "{{function_node __wrapped__CollectiveBcastRecv_device_/job:worker/replica:0/"
+        "task:2/device:CPU:0}} Collective ops is aborted by: Deadline Exceeded\n\n"
+        "RPC: /tensorflow.CoordinationService/Heartbeat"))
+    said = train.describe_failure(train_flags.Config.from_flags(), error)
+    assert said.startswith(
+        "Lost contact with worker 0 (DeadlineExceededError: this worker's "
+        "heartbeat got no reply within 10 s)."), said
+    assert "--heartbeat_timeout=20 s" in said
+    assert "on a busy link: raise --heartbeat_timeout." in said
+    # Another collective error says nothing of heartbeats.
+    other = train.describe_failure(train_flags.Config.from_flags(), tf.errors.UnavailableError(
+        None, None, "Collective ops is aborted by: Connection refused from "
+                    "/job:worker/replica:0/task:1"))
+    assert other.startswith("Lost contact with worker 1 (UnavailableError: "), other
+    assert "busy link" not in other
+
+
+def test_heartbeat_timeout_is_checked_and_local():
+    with pytest.raises(flags.IllegalFlagValueError):
+        FLAGS(["tfscale-train", "--heartbeat_timeout=0.5"])
+    assert "heartbeat_timeout" in train_flags.LOCAL_FLAGS
+    assert FLAGS["heartbeat_timeout"].default == tfscale.strategy.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS

@@ -47,6 +47,14 @@ from tfscale.collectives.options import CommunicationOptions
 # How long building a strategy waits for the other workers when no collective
 # timeout is set.
 _STARTUP_BARRIER_SECONDS = 3600
+# TensorFlow's 10 s gives each heartbeat 5 s to be answered, and heartbeats
+# share the gRPC channel with the tensors: behind the 203 MB broadcast of
+# AlexNet-BN's weights on a 200 Mbit/s link one took longer, and the job
+# stopped (BENCHMARKS.md, "Heartbeats behind a saturated link"). 60 s gives
+# 30 s. The price: a lost peer is noticed later, unless a launcher stops the
+# job first as tfscale-launch does (measured, a SIGKILLed worker: after 43 s
+# instead of 10 s; tests/reliability/test_worker_failure.py).
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -78,13 +86,19 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         barrier_timeout_seconds: how long a later strategy waits for every
             worker to build it; default: `communication_options`' timeout,
             else an hour.
+        heartbeat_timeout_seconds: after how long without a heartbeat
+            TensorFlow's coordination service takes a worker for lost and
+            stops the job (each heartbeat may take half of it to be
+            answered). Set by the first strategy of a process.
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None,
                  time_all_reduces=False,
                  startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
-                 barrier_timeout_seconds=None):
+                 barrier_timeout_seconds=None,
+                 heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
         _check_startup_timeout(startup_timeout_seconds)
+        _check_heartbeat_timeout(heartbeat_timeout_seconds)
         _private.check_versions()
         if evaluator.is_evaluator_task(cluster_resolver):
             raise ValueError(
@@ -119,6 +133,7 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         # peer may still be running collectives of the previous one, nor
         # start the new one's, while it does.
         tf_collectives.wait_for_all_workers(f"tfscale strategy {number}: start", timeout)
+        _configure_heartbeats(cluster_resolver, heartbeat_timeout_seconds)
         super().__init__(
             cluster_resolver=cluster_resolver,
             communication_options=communication_options,
@@ -278,10 +293,17 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             logged every 30 s, and SIGINT or SIGTERM stops the wait (also with
             `StartupError`). `None` waits as long as it takes. Only the first
             strategy of a process waits.
+        heartbeat_timeout_seconds: after how long without a heartbeat
+            TensorFlow's coordination service takes a worker for lost and
+            stops the job; each heartbeat may take half of it to be
+            answered (TensorFlow's own 10 s left 5 s, which a slow link
+            busy with the model's tensors exceeded). Set by the first
+            strategy of a process.
     """
 
     def __init__(self, communication=None, cluster_resolver=None,
-                 startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS):
+                 startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
+                 heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
         if communication is None:
             communication = CommunicationOptions()
         if not isinstance(communication, CommunicationOptions):
@@ -300,6 +322,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             barrier_timeout_seconds=communication.timeout_seconds,
             time_all_reduces=communication.time_all_reduces,
             startup_timeout_seconds=startup_timeout_seconds,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         )
         if self.is_chief:
             logging.info(
@@ -643,6 +666,24 @@ def _holds_a_batch(args, kwargs):
 
 def _is_keras_multi_worker_strategy(strategy):
     return isinstance(strategy, KerasMultiWorkerMirroredStrategy)
+
+
+def _check_heartbeat_timeout(value):
+    if not is_number(value) or value < 1:
+        raise ValueError(
+            "Argument `heartbeat_timeout_seconds` must be a number of seconds "
+            f">= 1. Received: heartbeat_timeout_seconds={value!r}")
+
+
+def _configure_heartbeats(cluster_resolver, seconds):
+    """The coordination service's heartbeat timeout, for the first strategy
+    of a process; a later one asking for another is told the first's stays."""
+    in_force = tf_collectives.configure_heartbeats(cluster_resolver, seconds)
+    if in_force is not None and in_force != seconds:
+        logging.warning(
+            "tfscale: heartbeat_timeout_seconds=%g is not applied: this process's "
+            "coordination service runs with %g s, set when its first strategy "
+            "was built.", seconds, in_force)
 
 
 def _check_startup_timeout(value):

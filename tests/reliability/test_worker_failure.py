@@ -15,11 +15,14 @@ from multiworker import worker_env
 pytestmark = pytest.mark.multiworker
 
 
-COLLECTIVE_TIMEOUT = 30  # seconds; measured: the survivor stops 3 s (SIGKILL)
-# or 13 s (SIGSTOP) after its peer's failure.
+COLLECTIVE_TIMEOUT = 30  # seconds
+# TensorFlow's own heartbeat timeout. Measured (2026-11-28): the survivor
+# stopped 10 s after its peer's SIGKILL or SIGSTOP; under tfscale's default,
+# 60 s, after 43 s (SIGKILL) and 32 s (SIGSTOP: the collective timeout).
+HEARTBEAT_TIMEOUT = 10
 TRAIN = ["tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=50",
          "--steps_per_epoch=20", f"--collective_timeout={COLLECTIVE_TIMEOUT}",
-         "--export_dir="]
+         f"--heartbeat_timeout={HEARTBEAT_TIMEOUT}", "--export_dir="]
 
 
 def wait_for(predicate, seconds, what):
@@ -93,3 +96,4 @@ def test_survivor_stops_within_the_collective_timeout_naming_the_lost_worker(
     assert elapsed < COLLECTIVE_TIMEOUT, output[-3000:]
     assert "tfscale-train: Lost contact with worker 1 (" in output, output[-3000:]
     assert f"--collective_timeout={COLLECTIVE_TIMEOUT} s" in output
+    assert f"--heartbeat_timeout={HEARTBEAT_TIMEOUT} s" in output

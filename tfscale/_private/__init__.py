@@ -46,6 +46,13 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   tests/test_startup.py, which needs the wait, and
   test_several_strategies_train_in_one_process, where a second wait would
   find the port held by TensorFlow.
+- `context.configure_coordination_service` and
+  `multi_worker_util.coordination_leader` (`configure_heartbeats`): the
+  coordination service configured as MWMS configures it, with tfscale's
+  heartbeat timeout in place of TensorFlow's 10 s, before MWMS's
+  `__init__` (which then keeps it). tests/test_heartbeats.py: a chief
+  stopped for 12 s stops the job under `heartbeat_timeout_seconds=10` and
+  not under the default.
 - `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
   cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
 - `tensorflow.python.framework.config.is_op_determinism_enabled`

@@ -6,10 +6,12 @@ import itertools
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import collective_ops
 from tensorflow.python.util import nest
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
 # MWMS takes group keys 1, 2, ... for itself (one per device set it reduces
 # over); tfscale's own sub-groups start well above them.
@@ -18,6 +20,9 @@ _SUBGROUP_KEY_BASE = 1000
 # no bfloat16.
 NCCL_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 _strategies_built = itertools.count()
+# The coordination service's heartbeat timeout when none is configured
+# (`kDefaultHeartbeatTimeout`, tsl's coordination_service_agent.cc).
+TF_HEARTBEAT_TIMEOUT_SECONDS = 10.0
 
 
 def check_resolved(implementation):
@@ -69,6 +74,45 @@ def cluster_connected():
     earlier MultiWorkerMirroredStrategy did): its server then holds this
     worker's port, and its peers have all connected."""
     return context.context().coordination_service is not None
+
+
+def configure_heartbeats(cluster_resolver, timeout_seconds):
+    """Configures the coordination service that the next
+    MultiWorkerMirroredStrategy starts as MWMS itself would (the leader;
+    the chief and worker jobs), with `timeout_seconds` for heartbeats in
+    place of TensorFlow's 10 s. MWMS configures the service only when
+    nothing has, so call this right before its `__init__`, and only after
+    `wait_for_all_workers`, which takes a configured service for a started
+    one.
+
+    Each worker sends a heartbeat every half timeout, and a heartbeat whose
+    reply takes longer than that stops the worker
+    (`StartSendingHeartbeats`, tsl's coordination_service_agent.cc).
+
+    Returns:
+        The heartbeat timeout in force in seconds: `timeout_seconds`, or what
+        an earlier strategy of this process configured, which stays; None
+        where MWMS starts no service (no cluster, or a task outside the
+        chief and worker jobs).
+    """
+    configured = context.context().coordination_service
+    if configured is not None:
+        return (configured.heartbeat_timeout_in_ms / 1000
+                or TF_HEARTBEAT_TIMEOUT_SECONDS)
+    cluster_spec = multi_worker_util.normalize_cluster_spec(
+        cluster_resolver.cluster_spec())
+    coordinated = [job for job in ("chief", "worker") if job in cluster_spec.jobs]
+    if not cluster_spec.as_dict() or cluster_resolver.task_type not in coordinated:
+        return None
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        heartbeat_timeout_in_ms=int(timeout_seconds * 1000),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(
+                name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in coordinated])
+    return timeout_seconds
 
 
 def _call_time_key_would_be_lost():
