@@ -60,6 +60,8 @@ def input_checks():
 
 # The models of the paper; tfscale.models' other builders serve the studies.
 TRAINED_MODELS = ("alexnet_bn", "resnet50")
+# In the error of a worker whose heartbeat to the coordination service timed out.
+_HEARTBEAT_RPC = "CoordinationService/Heartbeat"
 
 
 def validate_flags(config):
@@ -579,7 +581,8 @@ def describe_failure(config, error):
                if peers else "a peer worker")
         cause, busy_link = _collective_cause(str(error)), ""
         if _HEARTBEAT_RPC in str(error):
-            # The coordination service runs on the chief, else on worker 0.
+            # The coordination service runs on the chief, else on worker 0
+            # (MultiWorkerMirroredStrategy's `coordination_leader`).
             who = "chief 0" if "chief" in tf_config.get("cluster", {}) else "worker 0"
             cause = (f"this worker's heartbeat got no reply within "
                      f"{config.heartbeat_timeout / 2:g} s")
@@ -596,9 +599,6 @@ def describe_failure(config, error):
         )
     return None
 
-
-# In the error of a worker whose heartbeat to the coordination service timed out.
-_HEARTBEAT_RPC = "CoordinationService/Heartbeat"
 
 
 def _collective_cause(message):

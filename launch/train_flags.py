@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 # (paths can be local to each machine).
 LOCAL_FLAGS = frozenset({"data_dir", "manual_dir", "model_dir", "export_dir",
                          "verbose", "cluster_resolver", "tensorboard_dir",
-                         "startup_timeout", "heartbeat_timeout", "evaluator_timeout",
+                         "startup_timeout", "evaluator_timeout",
                          "slurm_port_base", "prepare_only", "prepare_timeout"})
 # Flags besides the `Settings` fields whose change would make a resumed run
 # train differently from the run that wrote its checkpoints.
@@ -178,7 +178,8 @@ def _define_communication_flags():
         "Seconds without a heartbeat after which TensorFlow's coordination "
         "service takes a worker for lost and every worker stops; each "
         "heartbeat may take half of it to be answered, waiting behind the "
-        "tensors on a busy link (TensorFlow's own: 10).",
+        "tensors on a busy link (TensorFlow's own: 10). The same on every "
+        "worker: the service judges each by its own.",
         lower_bound=1,
     )
     flags.DEFINE_enum(

@@ -20,6 +20,7 @@ Three things separate it from stock MWMS:
 
 import atexit
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -52,8 +53,9 @@ _STARTUP_BARRIER_SECONDS = 3600
 # AlexNet-BN's weights on a 200 Mbit/s link one took longer, and the job
 # stopped (BENCHMARKS.md, "Heartbeats behind a saturated link"). 60 s gives
 # 30 s. The price: a lost peer is noticed later, unless a launcher stops the
-# job first as tfscale-launch does (measured, a SIGKILLed worker: after 43 s
-# instead of 10 s; tests/reliability/test_worker_failure.py).
+# job first as tfscale-launch does (measured with
+# tests/reliability/test_worker_failure.py, its HEARTBEAT_TIMEOUT set to 60:
+# the survivor of a SIGKILL stopped after 43 s instead of 10 s).
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0
 
 
@@ -89,7 +91,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         heartbeat_timeout_seconds: after how long without a heartbeat
             TensorFlow's coordination service takes a worker for lost and
             stops the job (each heartbeat may take half of it to be
-            answered). Set by the first strategy of a process.
+            answered). The same on every worker; set by the first strategy
+            of a process.
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None,
@@ -133,11 +136,17 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         # peer may still be running collectives of the previous one, nor
         # start the new one's, while it does.
         tf_collectives.wait_for_all_workers(f"tfscale strategy {number}: start", timeout)
-        _configure_heartbeats(cluster_resolver, heartbeat_timeout_seconds)
-        super().__init__(
-            cluster_resolver=cluster_resolver,
-            communication_options=communication_options,
-        )
+        with tf_collectives.heartbeats_configured(
+                cluster_resolver, heartbeat_timeout_seconds) as in_force:
+            if in_force is not None and in_force != heartbeat_timeout_seconds:
+                logging.warning(
+                    "tfscale: heartbeat_timeout_seconds=%g is not applied: this "
+                    "process's coordination service runs with %g s, set when its "
+                    "first strategy was built.", heartbeat_timeout_seconds, in_force)
+            super().__init__(
+                cluster_resolver=cluster_resolver,
+                communication_options=communication_options,
+            )
         tf_collectives.wait_for_all_workers(f"tfscale strategy {number}: ready", timeout)
         devices = accessors.local_devices(self)
         if len(devices) > 1:
@@ -296,9 +305,9 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         heartbeat_timeout_seconds: after how long without a heartbeat
             TensorFlow's coordination service takes a worker for lost and
             stops the job; each heartbeat may take half of it to be
-            answered (TensorFlow's own 10 s left 5 s, which a slow link
-            busy with the model's tensors exceeded). Set by the first
-            strategy of a process.
+            answered, behind the tensors on a busy link (docs/failures.md).
+            The same on every worker; set by the first strategy of a
+            process.
     """
 
     def __init__(self, communication=None, cluster_resolver=None,
@@ -669,21 +678,10 @@ def _is_keras_multi_worker_strategy(strategy):
 
 
 def _check_heartbeat_timeout(value):
-    if not is_number(value) or value < 1:
+    if not is_number(value) or not math.isfinite(value) or value < 1:
         raise ValueError(
             "Argument `heartbeat_timeout_seconds` must be a number of seconds "
             f">= 1. Received: heartbeat_timeout_seconds={value!r}")
-
-
-def _configure_heartbeats(cluster_resolver, seconds):
-    """The coordination service's heartbeat timeout, for the first strategy
-    of a process; a later one asking for another is told the first's stays."""
-    in_force = tf_collectives.configure_heartbeats(cluster_resolver, seconds)
-    if in_force is not None and in_force != seconds:
-        logging.warning(
-            "tfscale: heartbeat_timeout_seconds=%g is not applied: this process's "
-            "coordination service runs with %g s, set when its first strategy "
-            "was built.", seconds, in_force)
 
 
 def _check_startup_timeout(value):

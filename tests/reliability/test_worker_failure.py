@@ -69,9 +69,9 @@ def test_launcher_names_the_killed_worker_and_leaves_no_orphans(tmp_path):
 def test_survivor_stops_within_the_collective_timeout_naming_the_lost_worker(
         tmp_path, failure):
     # Without the launcher, nothing stops the survivor but tfscale itself: a
-    # dead peer (connection refused) or a hung one (SIGSTOP: the connection
-    # stays open and nothing answers; TensorFlow's heartbeats notice, measured
-    # 13 s, and the collective timeout bounds it).
+    # dead peer (SIGKILL) or a hung one (SIGSTOP: the connection stays open
+    # and nothing answers); TensorFlow's heartbeats notice both (measured
+    # 10 s, HEARTBEAT_TIMEOUT above), and the collective timeout bounds it.
     marker = f"TFSCALE_RUN={uuid.uuid4().hex}"
     processes = start_cluster([TRAIN, TRAIN], tmp_path, dict([marker.split("=")]))
     try:

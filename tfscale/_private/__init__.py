@@ -46,13 +46,17 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   tests/test_startup.py, which needs the wait, and
   test_several_strategies_train_in_one_process, where a second wait would
   find the port held by TensorFlow.
-- `context.configure_coordination_service` and
-  `multi_worker_util.coordination_leader` (`configure_heartbeats`): the
-  coordination service configured as MWMS configures it, with tfscale's
-  heartbeat timeout in place of TensorFlow's 10 s, before MWMS's
-  `__init__` (which then keeps it). tests/test_heartbeats.py: a chief
-  stopped for 12 s stops the job under `heartbeat_timeout_seconds=10` and
-  not under the default.
+- `context.configure_coordination_service`, `context.coordination_service`'s
+  `heartbeat_timeout_in_ms`, `context._coordination_service_config` (reset
+  when MWMS's `__init__` fails), `multi_worker_util.normalize_cluster_spec`
+  and `coordination_leader`, and `CoordinatedJob` from
+  `tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2`
+  (`heartbeats_configured`): the coordination service configured as MWMS
+  configures it, with tfscale's heartbeat timeout in place of TensorFlow's
+  10 s, before MWMS's `__init__` (which then keeps it).
+  tests/test_heartbeats.py: a chief stopped for 12 s stops the job under
+  `heartbeat_timeout_seconds=10` and not under the default; a strategy that
+  fails to build leaves nothing configured.
 - `extended._cluster_resolver`, `extended._in_multi_worker_mode`: the
   cluster MWMS resolved. tests/test_topology.py, tests/test_strategy.py.
 - `tensorflow.python.framework.config.is_op_determinism_enabled`

@@ -1,6 +1,7 @@
 """TensorFlow's collectives: raw ops over sub-groups, and MWMS's all-reduce
 replaced (private APIs; see `tfscale._private`)."""
 
+import contextlib
 import itertools
 
 import tensorflow as tf
@@ -72,24 +73,27 @@ def wait_for_all_workers(barrier_id, timeout_seconds):
 def cluster_connected():
     """Whether this process has started TensorFlow's coordination service (an
     earlier MultiWorkerMirroredStrategy did): its server then holds this
-    worker's port, and its peers have all connected."""
+    worker's port, and its peers have all connected. (Inside
+    `heartbeats_configured` the service is configured before it starts.)"""
     return context.context().coordination_service is not None
 
 
-def configure_heartbeats(cluster_resolver, timeout_seconds):
-    """Configures the coordination service that the next
-    MultiWorkerMirroredStrategy starts as MWMS itself would (the leader;
-    the chief and worker jobs), with `timeout_seconds` for heartbeats in
-    place of TensorFlow's 10 s. MWMS configures the service only when
-    nothing has, so call this right before its `__init__`, and only after
-    `wait_for_all_workers`, which takes a configured service for a started
-    one.
+@contextlib.contextmanager
+def heartbeats_configured(cluster_resolver, timeout_seconds):
+    """Configures the coordination service that the MultiWorkerMirroredStrategy
+    built in the body starts, as MWMS itself would (the leader; the chief and
+    worker jobs), with `timeout_seconds` for heartbeats in place of
+    TensorFlow's 10 s. MWMS configures the service only when nothing has,
+    so build it in the body, and enter only after `wait_for_all_workers`,
+    which takes a configured service for a started one. When the body
+    raises, the configuration is undone (no service started), so that a
+    strategy built again waits for its peers as a first one does.
 
-    Each worker sends a heartbeat every half timeout, and a heartbeat whose
-    reply takes longer than that stops the worker
+    Each worker sends a heartbeat every half of its timeout, and a heartbeat
+    whose reply takes longer than that stops the worker
     (`StartSendingHeartbeats`, tsl's coordination_service_agent.cc).
 
-    Returns:
+    Yields:
         The heartbeat timeout in force in seconds: `timeout_seconds`, or what
         an earlier strategy of this process configured, which stays; None
         where MWMS starts no service (no cluster, or a task outside the
@@ -97,13 +101,14 @@ def configure_heartbeats(cluster_resolver, timeout_seconds):
     """
     configured = context.context().coordination_service
     if configured is not None:
-        return (configured.heartbeat_timeout_in_ms / 1000
-                or TF_HEARTBEAT_TIMEOUT_SECONDS)
+        yield configured.heartbeat_timeout_in_ms / 1000 or TF_HEARTBEAT_TIMEOUT_SECONDS
+        return
     cluster_spec = multi_worker_util.normalize_cluster_spec(
         cluster_resolver.cluster_spec())
     coordinated = [job for job in ("chief", "worker") if job in cluster_spec.jobs]
     if not cluster_spec.as_dict() or cluster_resolver.task_type not in coordinated:
-        return None
+        yield None
+        return
     context.context().configure_coordination_service(
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(cluster_spec),
@@ -112,7 +117,11 @@ def configure_heartbeats(cluster_resolver, timeout_seconds):
             coordination_config_pb2.CoordinatedJob(
                 name=job, num_tasks=cluster_spec.num_tasks(job))
             for job in coordinated])
-    return timeout_seconds
+    try:
+        yield timeout_seconds
+    except BaseException:
+        context.context()._coordination_service_config = None
+        raise
 
 
 def _call_time_key_would_be_lost():
