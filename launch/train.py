@@ -600,7 +600,6 @@ def describe_failure(config, error):
     return None
 
 
-
 def _collective_cause(message):
     """The line of a TensorFlow collective error that says what happened."""
     for pattern in (r"The following tasks are unhealthy[^\n]*\n?[^\n]*",
