@@ -4,6 +4,7 @@
 arguments that take counts, sizes or rates must refuse `True`/`False`.
 """
 
+import math
 import numbers
 
 
@@ -15,3 +16,9 @@ def is_int(value):
 def is_number(value):
     """Whether `value` is a real number (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite_number(value):
+    """Whether `value` is a real number (Python or NumPy), not a bool, NaN
+    or infinite."""
+    return is_number(value) and math.isfinite(value)

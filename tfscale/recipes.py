@@ -30,7 +30,6 @@ tf-models keeps `params.yaml` beside its checkpoints.
 
 import dataclasses
 import json
-import math
 import os
 import uuid
 
@@ -252,8 +251,7 @@ class Settings:
                 )
         for name, rule, ok in _FLOATS:
             value = getattr(self, name)
-            if not (_validation.is_number(value) and math.isfinite(value)
-                    and ok(value)):
+            if not (_validation.is_finite_number(value) and ok(value)):
                 raise ValueError(
                     f"`{name}` must be {rule}. Received: {name}={value!r}")
             # Frozen: store 10 as 10.0 so that equal settings compare and

@@ -20,6 +20,7 @@ import keras
 from keras import ops
 
 from tfscale._validation import is_int
+from tfscale._validation import is_finite_number
 from tfscale._validation import is_number
 
 LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
@@ -27,7 +28,7 @@ LearningRateSchedule = keras.optimizers.schedules.LearningRateSchedule
 
 def _check_float(name, value, rule, ok):
     """Raises ValueError unless `value` is a real number with `ok(value)`."""
-    if not (is_number(value) and math.isfinite(value) and ok(value)):
+    if not (is_finite_number(value) and ok(value)):
         raise ValueError(f"`{name}` must be {rule}. Received: {name}={value!r}")
     return float(value)
 

@@ -20,7 +20,6 @@ Three things separate it from stock MWMS:
 
 import atexit
 import contextlib
-import math
 import os
 import socket
 import sys
@@ -42,6 +41,7 @@ from tfscale import optimizers
 from tfscale import startup
 from tfscale import timeline
 from tfscale import variable_creation
+from tfscale._validation import is_finite_number
 from tfscale._validation import is_number
 from tfscale.collectives.options import CommunicationOptions
 
@@ -678,7 +678,7 @@ def _is_keras_multi_worker_strategy(strategy):
 
 
 def _check_heartbeat_timeout(value):
-    if not is_number(value) or not math.isfinite(value) or value < 1:
+    if not is_finite_number(value) or value < 1:
         raise ValueError(
             "Argument `heartbeat_timeout_seconds` must be a number of seconds "
             f">= 1. Received: heartbeat_timeout_seconds={value!r}")

@@ -3,7 +3,6 @@ all-reduces, validated from the tables below (as `tfscale.recipes.Settings`
 is), frozen, and serializable (`get_config`, `from_config`)."""
 
 import dataclasses
-import math
 import os
 
 import tensorflow as tf
@@ -27,7 +26,7 @@ def _integer(minimum):
 
 
 def _number(minimum, strict=False):
-    return lambda v: (_validation.is_number(v) and math.isfinite(v)
+    return lambda v: (_validation.is_finite_number(v)
                       and (v > minimum if strict else v >= minimum))
 
 
