@@ -115,9 +115,9 @@ def test_two_workers_accumulating_4_micro_batches_train_like_one_step_of_4x(tmp_
 
 
 @pytest.mark.multiworker
-def test_clipping_on_two_and_four_workers_means_what_it_means_on_one(tmp_path):
+def test_clipping_on_two_workers_means_what_it_means_on_one(tmp_path):
     """clipnorm, global_clipnorm and clipvalue clip the all-reduced gradient:
-    2 and 4 workers end where 1 worker ends at the same global batch, within
+    2 workers end where 1 worker ends at the same global batch, within
     float32 rounding, with SGD, with LARS, under loss scaling (mixed_float16:
     within float16's rounding of the forward pass) and with accumulation;
     stock Keras (local clipping) does not."""
@@ -126,13 +126,11 @@ def test_clipping_on_two_and_four_workers_means_what_it_means_on_one(tmp_path):
             "loss_scale:global_clipnorm:1", "sgd:global_clipnorm:2",
             "lars:clipnorm:2"]
     one = _run(tmp_path, 1, runs)
-    for num_workers in (2, 4):
-        many = _run(tmp_path, num_workers, runs)
-        for name in runs:
-            difference = _max_difference(many[name]["weights"], one[name]["weights"])
-            print(f"{name}: {num_workers} workers vs 1, max weight difference "
-                  f"{difference:.3g}")
-            assert difference < (1e-3 if name.startswith("loss_scale") else TOLERANCE)
+    many = _run(tmp_path, 2, runs)
+    for name in runs:
+        difference = _max_difference(many[name]["weights"], one[name]["weights"])
+        print(f"{name}: 2 workers vs 1, max weight difference {difference:.3g}")
+        assert difference < (1e-3 if name.startswith("loss_scale") else TOLERANCE)
     for name in runs[1:4]:  # each clips: it changes the training
         assert _max_difference(one[name]["weights"], one[runs[0]]["weights"]) > 1e-3
     stock = _run(tmp_path, 2, ["sgd:global_clipnorm:1"], strategy="stock")
