@@ -17,7 +17,6 @@ import tempfile
 
 from absl import flags
 
-from tfscale.collectives import cost_model as cost_model_lib
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import report
 from tfscale.launch.bench import stats
@@ -69,6 +68,9 @@ def _cost_model():
     """The fitted cost model's config from --cost_model, or None."""
     if not FLAGS.cost_model:
         return None
+    # Imports TensorFlow (the collectives package): only when asked for.
+    from tfscale.collectives import cost_model as cost_model_lib
+
     return cost_model_lib.load(FLAGS.cost_model).get_config()
 
 

@@ -12,6 +12,7 @@ import sys
 
 from absl import flags
 
+from tfscale import communication_names as names
 from tfscale.launch.bench import stats
 
 _MiB = 1024 * 1024
@@ -32,20 +33,19 @@ def define_flags():
     --emulate_nodes, --inter_node_rate, ...) come with launch.local.
     """
     from tfscale.launch import local
-    from tfscale import collectives
 
     local.define_flags()
     flags.DEFINE_list(
-        "algorithms", [STOCK, *collectives.FIXED_ALGORITHMS],
+        "algorithms", [STOCK, *names.FIXED_ALGORITHMS],
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
-        f"({', '.join(collectives.ALGORITHMS)}); train also {LOCKSTEP} (workers "
+        f"({', '.join(names.ALGORITHMS)}); train also {LOCKSTEP} (workers "
         "wait for each other every step and send no gradients: the floor of "
         "synchronous training).")
     flags.DEFINE_list(
         "compression", [NO_COMPRESSION],
         "Wire formats for the tfscale algorithms: "
-        f"{', '.join((NO_COMPRESSION, *collectives.COMPRESSIONS))} (train "
-        f"also {collectives.powersgd.NAME}); each algorithm runs with each.")
+        f"{', '.join((NO_COMPRESSION, *names.COMPRESSIONS))} (train "
+        f"also {names.POWERSGD}); each algorithm runs with each.")
     flags.DEFINE_integer(
         "local_size", None,
         "Workers per node for tfscale's topology; unset: by host (one node on "
@@ -74,10 +74,8 @@ def configs(more_compressions=(), more_baselines=()):
     Raises:
         ValueError: naming the flag and the values it takes.
     """
-    from tfscale import collectives
-
     baselines = (STOCK, *more_baselines)
-    allowed = (*baselines, *collectives.ALGORITHMS)
+    allowed = (*baselines, *names.ALGORITHMS)
     if not FLAGS.algorithms:
         raise ValueError(f"--algorithms is empty; choose from {', '.join(allowed)}.")
     for name in FLAGS.algorithms:
@@ -85,7 +83,7 @@ def configs(more_compressions=(), more_baselines=()):
             raise ValueError(f"--algorithms: {name!r} is unknown; choose from "
                              f"{', '.join(allowed)}. Received: --algorithms={name}")
     compressions = []
-    known = (*collectives.COMPRESSIONS, *more_compressions)
+    known = (*names.COMPRESSIONS, *more_compressions)
     for value in FLAGS.compression:
         if value not in (NO_COMPRESSION, *known):
             raise ValueError(

@@ -35,7 +35,7 @@ from absl import flags
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import gradients
 from tfscale.launch.bench import stats
-from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
+from tfscale.communication_names import BUFFER_ALGORITHMS
 
 # The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System
 # with Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.

@@ -33,6 +33,7 @@ import tempfile
 import numpy as np
 from absl import flags
 
+from tfscale import communication_names as names
 from tfscale.launch.bench import cluster
 
 FLAGS = flags.FLAGS
@@ -42,14 +43,13 @@ DEFAULT = "default"  # CommunicationOptions() as a user builds it
 def define_flags():
     """Defines scale's flags (and tfscale-launch's, for its workers)."""
     from tfscale.launch import local
-    from tfscale import collectives
 
     local.define_flags()
     flags.DEFINE_list("worker_counts", ["2", "4", "8", "16"],
                       "Numbers of workers to start, one launch each.")
-    flags.DEFINE_list("algorithms", [DEFAULT, *collectives.FIXED_ALGORITHMS],
+    flags.DEFINE_list("algorithms", [DEFAULT, *names.FIXED_ALGORITHMS],
                       f"{DEFAULT} (CommunicationOptions()) and/or tfscale "
-                      f"algorithms ({', '.join(collectives.ALGORITHMS)}).")
+                      f"algorithms ({', '.join(names.ALGORITHMS)}).")
     flags.DEFINE_integer("global_batch", 37, "Examples per step over all "
                          "workers.", lower_bound=1)
     flags.DEFINE_integer("steps", 4, "Steps per epoch (2 epochs).", lower_bound=1)

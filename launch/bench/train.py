@@ -44,6 +44,7 @@ import tempfile
 from absl import flags
 import numpy as np
 
+from tfscale import communication_names as names
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import stats
 
@@ -219,11 +220,18 @@ def table(rows):
     return stats.format_table(headers, lines, ["<", "<"] + [">"] * (len(headers) - 2))
 
 
+def _auto_decided_by_step():
+    """The step by which "auto" has decided. Imports TensorFlow (the
+    collectives package), so the launcher asks only for the table, after
+    the workers are done."""
+    from tfscale.collectives import autotune
+
+    return autotune.DECIDED_BY_STEP
+
+
 def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
-    from tfscale import collectives
-
-    configs = cluster.configs(more_compressions=(collectives.powersgd.NAME,),
+    configs = cluster.configs(more_compressions=(names.POWERSGD,),
                               more_baselines=(cluster.LOCKSTEP,))
     thresholds = fusion_thresholds()
     spec = {
@@ -268,9 +276,9 @@ def main():
           f"{FLAGS.per_worker_batch} images per worker per step; "
           f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
           f"after {FLAGS.warmup_steps} warm-up step(s)" + (
-              f" (auto: after {collectives.autotune.DECIDED_BY_STEP} more for its "
-              "trials and decision)" if any(algorithm == collectives.autotune.NAME
-                                             for _, algorithm, _ in configs) else ""))
+              f" (auto: after {_auto_decided_by_step()} more for its trials and "
+              "decision)" if any(algorithm == names.AUTO
+                                 for _, algorithm, _ in configs) else ""))
     print(gradients_line(rows[0]["gradient_floats"], ctx))
     print("# compute = the same step trained alone by every worker at once (no "
           "all-reduce, same CPU sharing); exposed comm = step - compute; "

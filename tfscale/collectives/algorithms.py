@@ -17,6 +17,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfscale import communication_names
 from tfscale.collectives import topology as topology_lib
 
 
@@ -262,11 +263,9 @@ def _split(buffer, num_chunks):
     return tf.split(buffer, [s for s in sizes if s], axis=0)
 
 
-# Name -> function; "hybrid" chooses among ring, hierarchical and
-# halving_doubling per buffer.
-BUFFER_ALGORITHMS = {
-    "ring": ring_all_reduce,
-    "hierarchical": hierarchical_all_reduce,
-    "2d": two_d_all_reduce,
-    "halving_doubling": halving_doubling_all_reduce,
-}
+# Name -> function, the names in `communication_names.BUFFER_ALGORITHMS`.
+BUFFER_ALGORITHMS = dict(zip(
+    communication_names.BUFFER_ALGORITHMS,
+    (ring_all_reduce, hierarchical_all_reduce, two_d_all_reduce,
+     halving_doubling_all_reduce),
+    strict=True))

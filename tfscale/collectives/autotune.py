@@ -109,10 +109,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale import _atomic
+from tfscale import communication_names
 from tfscale._private import graph_order
 from tfscale.collectives import timeline_stamps
 
-NAME = "auto"
+NAME = communication_names.AUTO
 # Timed rounds of trials, after one warm-up round.
 ROUNDS = 2
 FILE_NAME = "autotune.json"

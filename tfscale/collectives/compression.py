@@ -41,8 +41,11 @@ Why it is safe, and what it costs:
 
 import tensorflow as tf
 
+from tfscale import communication_names
+
 # Compression name -> dtype on the wire.
-WIRE_DTYPES = {"bfloat16": tf.bfloat16, "float16": tf.float16}
+WIRE_DTYPES = dict(zip(communication_names.COMPRESSIONS, (tf.bfloat16, tf.float16),
+                       strict=True))
 
 _FLOAT16_MAX = 65504.0
 # Exponents that keep 2**e a normal float32.

@@ -43,7 +43,7 @@ import numpy as np
 from tfscale._validation import is_int
 from tfscale._validation import is_number
 from tfscale.collectives import topology as topology_lib
-from tfscale.collectives.algorithms import BUFFER_ALGORITHMS
+from tfscale.communication_names import BUFFER_ALGORITHMS
 
 # Chunk counts the pipelined algorithms choose from.
 CHUNK_CHOICES = (1, 2, 4, 8, 16, 32)

@@ -28,10 +28,11 @@ by this project; see `tfscale._private.tf_collectives.CollectiveGroup`):
 
 import tensorflow as tf
 
+from tfscale import communication_names
 from tfscale._private.tf_collectives import NCCL_DTYPES  # noqa: F401 (what NCCL sums)
 from tfscale.collectives import autotune
 
-IMPLEMENTATIONS = ("auto", "ring", "nccl")
+IMPLEMENTATIONS = communication_names.IMPLEMENTATIONS
 
 
 def check_implementation(implementation, num_gpus=None):

@@ -9,7 +9,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tfscale.collectives import algorithms
+from tfscale import communication_names
 from tfscale.collectives import autotune
 from tfscale.collectives import compression as compression_lib
 from tfscale.collectives import cost_model as cost_model_lib
@@ -21,8 +21,8 @@ from tfscale.collectives import topology as topology_lib
 # above it (Jia et al. 2018, section 4.3); without a threshold, the faster
 # of ring and hierarchical by the cost model; or "auto", chosen per bucket by
 # measuring the job (`autotune`). Benchmarks compare the fixed ones.
-FIXED_ALGORITHMS = (*algorithms.BUFFER_ALGORITHMS, "hybrid")
-ALGORITHMS = (*FIXED_ALGORITHMS, autotune.NAME)
+FIXED_ALGORITHMS = communication_names.FIXED_ALGORITHMS
+ALGORITHMS = communication_names.ALGORITHMS
 # What "hybrid" chooses from. Not halving_doubling, the latency-optimal
 # algorithm on paper: TensorFlow has no point-to-point op, so each of its
 # 2 log2(n) steps is a collective op of its own over a pair group, and each
@@ -31,7 +31,7 @@ ALGORITHMS = (*FIXED_ALGORITHMS, autotune.NAME)
 # alpha-beta cost model, which counts link latency and not that cost,
 # predicts it fastest on small buffers, where it measured slowest.
 HYBRID_CANDIDATES = ("ring", "hierarchical")
-COMPRESSIONS = tuple(compression_lib.WIRE_DTYPES)
+COMPRESSIONS = communication_names.COMPRESSIONS
 # 2d tags shards with the local rank in the wire dtype; bfloat16 holds the
 # integers up to 256 exactly.
 MAX_2D_LOCAL_SIZE = 256
@@ -47,7 +47,7 @@ class Bucket:
             run time).
         dtype: dtype of its tensors.
         wire_dtype: dtype on the wire (differs from `dtype` when compressed).
-        algorithm: one of `algorithms.BUFFER_ALGORITHMS`, or "auto": one of
+        algorithm: one of `communication_names.BUFFER_ALGORITHMS`, or "auto": one of
             `candidates`, chosen at run time (`autotune`).
         num_chunks: independent chains the buffer is split into.
         candidates: "auto" only: `(algorithm, num_chunks)` of each

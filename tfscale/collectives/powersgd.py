@@ -69,9 +69,10 @@ import math
 from absl import logging
 import tensorflow as tf
 
+from tfscale import communication_names
 from tfscale.collectives import fusion
 
-NAME = "powersgd"
+NAME = communication_names.POWERSGD
 DEFAULT_RANK = 4
 DEFAULT_START_STEP = 10  # PyTorch's default start_powerSGD_iter
 DEFAULT_MIN_COMPRESSION_RATE = 2.0  # PyTorch's default min_compression_rate
