@@ -12,7 +12,7 @@ import sys
 
 from absl import flags
 
-from tfscale import communication_names as names
+from tfscale import communication_names
 from tfscale.launch.bench import stats
 
 _MiB = 1024 * 1024
@@ -36,16 +36,16 @@ def define_flags():
 
     local.define_flags()
     flags.DEFINE_list(
-        "algorithms", [STOCK, *names.FIXED_ALGORITHMS],
+        "algorithms", [STOCK, *communication_names.FIXED_ALGORITHMS],
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
-        f"({', '.join(names.ALGORITHMS)}); train also {LOCKSTEP} (workers "
+        f"({', '.join(communication_names.ALGORITHMS)}); train also {LOCKSTEP} (workers "
         "wait for each other every step and send no gradients: the floor of "
         "synchronous training).")
     flags.DEFINE_list(
         "compression", [NO_COMPRESSION],
         "Wire formats for the tfscale algorithms: "
-        f"{', '.join((NO_COMPRESSION, *names.COMPRESSIONS))} (train "
-        f"also {names.POWERSGD}); each algorithm runs with each.")
+        f"{', '.join((NO_COMPRESSION, *communication_names.COMPRESSIONS))} (train "
+        f"also {communication_names.POWERSGD}); each algorithm runs with each.")
     flags.DEFINE_integer(
         "local_size", None,
         "Workers per node for tfscale's topology; unset: by host (one node on "
@@ -75,7 +75,7 @@ def configs(more_compressions=(), more_baselines=()):
         ValueError: naming the flag and the values it takes.
     """
     baselines = (STOCK, *more_baselines)
-    allowed = (*baselines, *names.ALGORITHMS)
+    allowed = (*baselines, *communication_names.ALGORITHMS)
     if not FLAGS.algorithms:
         raise ValueError(f"--algorithms is empty; choose from {', '.join(allowed)}.")
     for name in FLAGS.algorithms:
@@ -83,7 +83,7 @@ def configs(more_compressions=(), more_baselines=()):
             raise ValueError(f"--algorithms: {name!r} is unknown; choose from "
                              f"{', '.join(allowed)}. Received: --algorithms={name}")
     compressions = []
-    known = (*names.COMPRESSIONS, *more_compressions)
+    known = (*communication_names.COMPRESSIONS, *more_compressions)
     for value in FLAGS.compression:
         if value not in (NO_COMPRESSION, *known):
             raise ValueError(

@@ -35,12 +35,13 @@ import tempfile
 
 from absl import flags
 
+from tfscale import communication_names
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import report
 from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
-ALGORITHMS = ("ring", "hierarchical", "2d", "halving_doubling")
+ALGORITHMS = communication_names.BUFFER_ALGORITHMS
 # Where the tables of `proving_commands` go (a heading of BENCHMARKS.md).
 BENCHMARKS_SECTION = "10. GPUs: the NCCL paths (not yet run)"
 
@@ -175,7 +176,7 @@ def proving_commands(num_workers, local_size=None):
     workers = [("num_workers", num_workers), ("gpus_per_node", num_workers)]
     if local_size:
         workers.append(("local_size", local_size))
-    every = ",".join(("stock", *ALGORITHMS, "hybrid"))
+    every = ",".join(("stock", *communication_names.FIXED_ALGORITHMS))
     allreduce = [*workers, ("algorithms", every), ("compression", "none,bfloat16"),
                  ("rounds", 2)]
     train = [*workers, ("image_size", 224), ("steps", 20), ("warmup_steps", 5),

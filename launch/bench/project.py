@@ -32,10 +32,10 @@ import math
 
 from absl import flags
 
+from tfscale.communication_names import BUFFER_ALGORITHMS
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import gradients
 from tfscale.launch.bench import stats
-from tfscale.communication_names import BUFFER_ALGORITHMS
 
 # The paper: Jia et al. 2018, "Highly Scalable Deep Learning Training System
 # with Mixed-Precision: Training ImageNet in Four Minutes", arXiv:1807.11205.
@@ -48,7 +48,7 @@ SPECIFIED = ("the paper's cluster as tfscale's benchmark specification states it
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ILSVRC2012 train split (tfds imagenet2012)
 FLAGS = flags.FLAGS
 # The algorithms the alpha-beta model predicts (hybrid picks among them).
-_MODELLED = tuple(BUFFER_ALGORITHMS)
+_MODELLED = BUFFER_ALGORITHMS
 # The projection's columns: t_<key> and e_<key> of each row.
 _PROJECTED = ("ring", "hierarchical", "halving_doubling", "hybrid", "hybrid_16bit",
               "powersgd")

@@ -33,7 +33,7 @@ import tempfile
 import numpy as np
 from absl import flags
 
-from tfscale import communication_names as names
+from tfscale import communication_names
 from tfscale.launch.bench import cluster
 
 FLAGS = flags.FLAGS
@@ -47,9 +47,9 @@ def define_flags():
     local.define_flags()
     flags.DEFINE_list("worker_counts", ["2", "4", "8", "16"],
                       "Numbers of workers to start, one launch each.")
-    flags.DEFINE_list("algorithms", [DEFAULT, *names.FIXED_ALGORITHMS],
+    flags.DEFINE_list("algorithms", [DEFAULT, *communication_names.FIXED_ALGORITHMS],
                       f"{DEFAULT} (CommunicationOptions()) and/or tfscale "
-                      f"algorithms ({', '.join(names.ALGORITHMS)}).")
+                      f"algorithms ({', '.join(communication_names.ALGORITHMS)}).")
     flags.DEFINE_integer("global_batch", 37, "Examples per step over all "
                          "workers.", lower_bound=1)
     flags.DEFINE_integer("steps", 4, "Steps per epoch (2 epochs).", lower_bound=1)
@@ -113,6 +113,11 @@ def main():
             raise ValueError("--worker_counts takes integers >= 2. "
                              f"Received: --worker_counts={','.join(FLAGS.worker_counts)}")
         counts.append(int(value))
+    allowed = (DEFAULT, *communication_names.ALGORITHMS)
+    for name in FLAGS.algorithms:
+        if name not in allowed:
+            raise ValueError(f"--algorithms: {name!r} is unknown; choose from "
+                             f"{', '.join(allowed)}. Received: --algorithms={name}")
     spec = {"command": "scale", "algorithms": FLAGS.algorithms,
             "global_batch": FLAGS.global_batch, "steps": FLAGS.steps}
     work_dir = tempfile.mkdtemp(prefix="tfscale-bench-scale-")

@@ -44,7 +44,7 @@ import tempfile
 from absl import flags
 import numpy as np
 
-from tfscale import communication_names as names
+from tfscale import communication_names
 from tfscale.launch.bench import cluster
 from tfscale.launch.bench import stats
 
@@ -221,9 +221,9 @@ def table(rows):
 
 
 def _auto_decided_by_step():
-    """The step by which "auto" has decided. Imports TensorFlow (the
-    collectives package), so the launcher asks only for the table, after
-    the workers are done."""
+    """The step by which "auto" has decided, for the table's header.
+    Imports TensorFlow (the collectives package): the launcher asks after
+    its workers are done."""
     from tfscale.collectives import autotune
 
     return autotune.DECIDED_BY_STEP
@@ -231,7 +231,7 @@ def _auto_decided_by_step():
 
 def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
-    configs = cluster.configs(more_compressions=(names.POWERSGD,),
+    configs = cluster.configs(more_compressions=(communication_names.POWERSGD,),
                               more_baselines=(cluster.LOCKSTEP,))
     thresholds = fusion_thresholds()
     spec = {
@@ -277,7 +277,7 @@ def main():
           f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
           f"after {FLAGS.warmup_steps} warm-up step(s)" + (
               f" (auto: after {_auto_decided_by_step()} more for its trials and "
-              "decision)" if any(algorithm == names.AUTO
+              "decision)" if any(algorithm == communication_names.AUTO
                                  for _, algorithm, _ in configs) else ""))
     print(gradients_line(rows[0]["gradient_floats"], ctx))
     print("# compute = the same step trained alone by every worker at once (no "

@@ -44,8 +44,7 @@ import tensorflow as tf
 from tfscale import communication_names
 
 # Compression name -> dtype on the wire.
-WIRE_DTYPES = dict(zip(communication_names.COMPRESSIONS, (tf.bfloat16, tf.float16),
-                       strict=True))
+WIRE_DTYPES = {name: tf.as_dtype(name) for name in communication_names.COMPRESSIONS}
 
 _FLOAT16_MAX = 65504.0
 # Exponents that keep 2**e a normal float32.
