@@ -141,6 +141,8 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
             autotune = [_run(o, precision, "distributed", "autotune") for o in outputs]
             if autotune[0]:
                 rows[-1]["autotune"] = _least_trials(autotune)
+                rows[-1]["autotune_decided_by_step"] = _run(
+                    outputs[0], precision, "distributed", "autotune_decided_by_step")
     for key in ("step_minus_compute_seconds", "exposed_communication_seconds"):
         stock = {r["precision"]: r[key] for r in rows if r["config"] == cluster.STOCK}
         for row in rows:
@@ -220,15 +222,6 @@ def table(rows):
     return stats.format_table(headers, lines, ["<", "<"] + [">"] * (len(headers) - 2))
 
 
-def _auto_decided_by_step():
-    """The step by which "auto" has decided, for the table's header.
-    Imports TensorFlow (the collectives package): the launcher asks after
-    its workers are done."""
-    from tfscale.collectives import autotune
-
-    return autotune.DECIDED_BY_STEP
-
-
 def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
     configs = cluster.configs(more_compressions=(communication_names.POWERSGD,),
@@ -271,14 +264,16 @@ def main():
         row.update(model=FLAGS.model, image_size=FLAGS.image_size,
                    steps=FLAGS.steps, **{k: ctx[k] for k in (
                        "node_sizes", "local_size", "emulate_nodes", "inter_node_rate")})
+    # The steps auto's workers spent before its choice, as they report them.
+    decided = sorted({row["autotune_decided_by_step"] for row in rows
+                      if "autotune_decided_by_step" in row})
     print(f"# tfscale-bench train: {FLAGS.model} {FLAGS.image_size}x"
           f"{FLAGS.image_size}, synthetic data, SGD momentum, "
           f"{FLAGS.per_worker_batch} images per worker per step; "
           f"{stats.describe_cluster(ctx)}; medians of {FLAGS.steps} timed steps "
-          f"after {FLAGS.warmup_steps} warm-up step(s)" + (
-              f" (auto: after {_auto_decided_by_step()} more for its trials and "
-              "decision)" if any(algorithm == communication_names.AUTO
-                                 for _, algorithm, _ in configs) else ""))
+          f"after {FLAGS.warmup_steps} warm-up step(s)" + "".join(
+              f" (auto: after {steps} more for its trials and decision)"
+              for steps in decided))
     print(gradients_line(rows[0]["gradient_floats"], ctx))
     print("# compute = the same step trained alone by every worker at once (no "
           "all-reduce, same CPU sharing); exposed comm = step - compute; "

@@ -151,6 +151,7 @@ def _fit(spec, strategy, extra_callbacks=()):
         timed["powersgd"] = _powersgd_report(strategy, model)
     if autotune is not None:
         timed["autotune"] = _autotune_report(autotune)
+        timed["autotune_decided_by_step"] = collectives.autotune.DECIDED_BY_STEP
     return timed
 
 
