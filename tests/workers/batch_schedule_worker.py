@@ -16,6 +16,7 @@ per-worker batch of each fit and the checkpoint's phase record.
 
 import os
 import signal
+import time
 
 import numpy as np
 from absl import app
@@ -39,15 +40,24 @@ EPOCHS = 3
 
 class KillAtStep(keras.callbacks.Callback):
     """Kills this process (SIGKILL: no cleanup) after step `step`, once the
-    checkpoint callbacks before it in the list have run."""
+    checkpoint callbacks before it in the list have run and the chief's
+    checkpoint of that step is on disk: another worker's save returns before
+    the chief's write ends, and the launcher stops the chief as soon as that
+    worker dies."""
 
-    def __init__(self, step):
+    def __init__(self, step, model_dir):
         super().__init__()
         self.step = step
+        self.model_dir = model_dir
 
     def on_train_batch_end(self, batch, logs=None):
-        if tfscale.checkpoint.step(self.model) == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if tfscale.checkpoint.step(self.model) != self.step:
+            return
+        deadline = time.monotonic() + 60
+        while ((tfscale.checkpoint.state(self.model_dir) or {}).get("step") != self.step
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train(strategy, model_dir, kill_at_step=0):
@@ -69,7 +79,7 @@ def train(strategy, model_dir, kill_at_step=0):
         model_dir, strategy, 1,
         record=lambda step: tfscale.batch_growth.phase_record(phases, step))]
     if kill_at_step:
-        callbacks.append(KillAtStep(kill_at_step))
+        callbacks.append(KillAtStep(kill_at_step, model_dir))
     fits = []
     for part in tfscale.batch_growth.fit_parts(phases, start_step):
         fit = {"epochs": [part.initial_epoch, part.epochs],
