@@ -54,7 +54,7 @@ class KillAtStep(keras.callbacks.Callback):
         if tfscale.checkpoint.step(self.model) != self.step:
             return
         deadline = time.monotonic() + 60
-        while ((tfscale.checkpoint.state(self.model_dir) or {}).get("step") != self.step
+        while (tfscale.checkpoint.latest(self.model_dir)[0] != self.step
                and time.monotonic() < deadline):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
