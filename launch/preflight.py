@@ -52,6 +52,14 @@ def check_tf_config(environ=os.environ):
         )
 
 
+def tf_config_task_type(environ=os.environ):
+    """TF_CONFIG's task type ("chief", "worker", "evaluator", ...), as
+    TensorFlow's resolver reads it; None without TF_CONFIG. Check it first
+    (`check_tf_config`)."""
+    raw = environ.get("TF_CONFIG")
+    return json.loads(raw)["task"]["type"] if raw else None
+
+
 def check_writable_dir(flag, path):
     """Refuses a directory flag that could not be created or written to."""
     if not path:

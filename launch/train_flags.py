@@ -24,11 +24,10 @@ import types
 from absl import flags
 
 from tfscale.launch import flag_help
-from tfscale import collectives
-from tfscale import recipes
-from tfscale import slurm
+from tfscale.launch import preflight
+from tfscale import communication_names
+from tfscale import recipe_settings
 from tfscale import startup
-from tfscale import strategy
 
 FLAGS = flags.FLAGS
 
@@ -161,9 +160,10 @@ def _define_communication_flags():
         "tfscale-launch) or SLURM's environment (one task per worker, srun).",
     )
     flags.DEFINE_integer(
-        "slurm_port_base", slurm.DEFAULT_PORT_BASE,
+        "slurm_port_base", None,
         "--cluster_resolver=slurm: the port of each node's first task; the "
-        "node's other tasks listen on the ports after it (tfscale.slurm).",
+        "node's other tasks listen on the ports after it (tfscale.slurm; "
+        "unset: its DEFAULT_PORT_BASE, TensorFlow's SlurmClusterResolver's).",
         lower_bound=1, upper_bound=65535,
     )
     flags.DEFINE_float(
@@ -174,7 +174,7 @@ def _define_communication_flags():
         lower_bound=0,
     )
     flags.DEFINE_float(
-        "heartbeat_timeout", strategy.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
+        "heartbeat_timeout", startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS,
         "Seconds without a heartbeat after which TensorFlow's coordination "
         "service takes a worker for lost and every worker stops; each "
         "heartbeat may take half of it to be answered, waiting behind the "
@@ -183,7 +183,7 @@ def _define_communication_flags():
         lower_bound=1,
     )
     flags.DEFINE_enum(
-        "algorithm", None, collectives.ALGORITHMS,
+        "algorithm", None, communication_names.ALGORITHMS,
         "All-reduce algorithm per fused buffer "
         "(tfscale.CommunicationOptions); auto: each buffer's fastest, "
         "measured in the first steps, stored in --model_dir/autotune.json "
@@ -214,7 +214,7 @@ def _define_communication_flags():
         lower_bound=1,
     )
     flags.DEFINE_enum(
-        "compression", None, (*collectives.COMPRESSIONS, collectives.powersgd.NAME),
+        "compression", None, (*communication_names.COMPRESSIONS, communication_names.POWERSGD),
         "Send float32 gradients in this 16-bit type, or (powersgd) gradient "
         "matrices as low-rank factors with error feedback; unset: float32.",
     )
@@ -232,7 +232,7 @@ def _define_communication_flags():
         "has produced it; unset: one bucket after the last gradient.",
         lower_bound=0)
     flags.DEFINE_enum(
-        "implementation", "auto", collectives.implementation.IMPLEMENTATIONS,
+        "implementation", "auto", communication_names.IMPLEMENTATIONS,
         "What carries the collectives (TensorFlow's names): auto: NCCL when "
         "the worker's device is a GPU, ring otherwise; ring: TensorFlow's "
         "ring over gRPC; nccl: NCCL between GPUs (refused without GPUs). "
@@ -257,14 +257,14 @@ def _define_communication_flags():
 
 def _define_optimization_flags():
     """The fields of `tfscale.recipes.Settings`, defaults included."""
-    defaults = recipes.Settings()
+    defaults = recipe_settings.Settings()
     flags.DEFINE_enum(
-        "optimizer", defaults.optimizer, recipes.OPTIMIZERS,
+        "optimizer", defaults.optimizer, recipe_settings.OPTIMIZERS,
         "sgd: momentum SGD; lars: tfscale.optimizers.LARS; rmsprop_warmup: "
         "RMSprop moving gradually to momentum SGD "
         "(tfscale.optimizers.RMSpropWarmup, Akiba et al. 2017).")
     flags.DEFINE_enum(
-        "precision", defaults.precision, recipes.PRECISIONS,
+        "precision", defaults.precision, recipe_settings.PRECISIONS,
         "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
         "(oneDNN bfloat16 kernels) but is 6-14x SLOWER on CPUs without it, "
         "where TensorFlow falls back to Eigen (python -m "
@@ -278,7 +278,7 @@ def _define_optimization_flags():
     flags.DEFINE_float("momentum", defaults.momentum,
                        "Momentum of sgd and lars.")
     flags.DEFINE_enum(
-        "lr_schedule", defaults.lr_schedule, recipes.LR_SCHEDULES,
+        "lr_schedule", defaults.lr_schedule, recipe_settings.LR_SCHEDULES,
         "constant: the learning rate throughout (after --warmup_epochs of "
         "linear warmup if > 0); warmup_poly: linear warmup, then polynomial "
         "decay to --end_learning_rate over the remaining epochs (MLPerf "
@@ -349,7 +349,7 @@ def _define_optimization_flags():
         "--max_global_batch_size=--global_batch_size gives the plain "
         "learning-rate decay. 0: no cap.", lower_bound=0)
     flags.DEFINE_enum(
-        "recipe", defaults.recipe, ["none", *recipes.RECIPES],
+        "recipe", defaults.recipe, ["none", *recipe_settings.RECIPES],
         "Published large-batch hyper-parameters (tfscale.recipes.RECIPES "
         "cites their sources); flags given explicitly override them.",
     )
@@ -389,13 +389,13 @@ class Config:
         """`tfscale.recipes.Settings` of the flags, `--recipe` filling in: a
         flag given on the command line wins over the recipe; the recipe wins
         over the flag's default."""
-        names = recipes.Settings().get_config()
+        names = recipe_settings.Settings().get_config()
         chosen = {name: self.values[name] for name in names
                   if name in self.given or self.recipe == "none"}
         if self.recipe == "none":
-            return recipes.Settings.from_config(chosen)
+            return recipe_settings.Settings.from_config(chosen)
         chosen.pop("recipe", None)
-        return recipes.Settings.from_recipe(self.recipe, **chosen)
+        return recipe_settings.Settings.from_recipe(self.recipe, **chosen)
 
     @property
     def training(self):
@@ -413,6 +413,13 @@ class Config:
         """The flags every worker must agree on (`LOCAL_FLAGS` may differ)."""
         return {name: value for name, value in self.values.items()
                 if name not in LOCAL_FLAGS}
+
+
+def is_evaluator(config):
+    """Whether TF_CONFIG makes this process an `evaluator` task (as Kubeflow
+    writes it), under --cluster_resolver=tf_config."""
+    return (config.cluster_resolver == "tf_config"
+            and preflight.tf_config_task_type() == "evaluator")
 
 
 def settings_from_flags():

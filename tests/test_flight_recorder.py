@@ -115,9 +115,9 @@ def test_tensorflow_s_shape_mismatch_is_quoted():
     assert flight_report.peer_mismatch("Deadline Exceeded") is None
     # tfscale-train names the cause, not "Lost contact with a peer worker".
     import tensorflow as tf
-    from tfscale.launch import train
+    from tfscale.launch import training
 
-    said = train.describe_failure(None, tf.errors.InternalError(None, None, message))
+    said = training.describe_failure(None, tf.errors.InternalError(None, None, message))
     assert said.startswith("The workers issued different collectives: collective "
                            "instance 113: worker 2 brought shape [4320]"), said
 

@@ -3,6 +3,7 @@ and the private layer (tfscale/_private/) at the bottom, importing nothing of
 tfscale but itself."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -167,3 +168,44 @@ def test_tfscale_bench_answers_help_and_bad_names_without_tensorflow(args, code,
     assert last == f"[] {code}", done.stderr[-3000:]
     for message in messages:
         assert message in done.stdout + "\n".join(output), done.stdout[-3000:]
+
+
+_TRAIN_PROBE = """
+import sys
+from tfscale.launch import train
+sys.argv = ["tfscale-train", *sys.argv[1:]]
+try:
+    train.run()
+except SystemExit as stop:
+    code = stop.code
+else:
+    code = 0
+print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), file=sys.stderr)
+print(code, file=sys.stderr)
+"""
+_EVALUATOR = json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "evaluator": ["127.0.0.1:2"]},
+                         "task": {"type": "evaluator", "index": 0}})
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("args, tf_config, said", [
+    (["--help"], None, "--global_batch_size"),  # absl's --help exits with 1
+    (["--model=vgg"], None, "tfscale-train: --model='vgg' is unknown. Known: alexnet_bn, resnet50"),
+    (["--dataset=cifar"], None, "--dataset='cifar' is unknown. Known: digits, imagenet, synthetic"),
+    (["--batch_schedule=30"], None, "must be comma-separated epoch:factor"),  # Settings' own check
+    ([], "{not json", "tfscale-train: TF_CONFIG is not valid JSON"),
+    ([], _EVALUATOR, "tfscale-train: The evaluator needs --model_dir"),
+])
+def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
+        args, tf_config, said):
+    """tfscale-train lists its flags and refuses bad flags and a bad
+    TF_CONFIG before it imports TensorFlow or Keras: a worker's mistake is
+    said at once, not after seconds of imports."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    if tf_config:
+        env["TF_CONFIG"] = tf_config
+    done = subprocess.run([sys.executable, "-c", _TRAIN_PROBE, *args], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT, env=env)
+    *_, loaded, code = done.stderr.strip().splitlines()
+    assert loaded == "[]", done.stderr[-3000:]
+    assert said in done.stdout + code, done.stdout[-3000:] + done.stderr[-3000:]

@@ -237,20 +237,20 @@ def test_batch_schedule_flags_reach_the_settings_and_its_refusals():
 def test_cost_model_flag_is_checked_and_shared_by_its_contents(tmp_path):
     from absl import app
     from tfscale.collectives import cost_model as cost_model_lib
-    from tfscale.launch import train
+    from tfscale.launch import training
 
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     parse(f"--cost_model={bad}")
     with pytest.raises(app.UsageError, match=f"{bad}.*holds no cost model"):
-        train.validate_flags(train_flags.Config.from_flags())
+        training.validate_flags(train_flags.Config.from_flags())
     good = tmp_path / "fit.json"
     good.write_text(json.dumps({"cost_model": cost_model_lib.DEFAULT.get_config()}))
     parse(f"--cost_model={good}")
     config = train_flags.Config.from_flags()
-    assert train.cost_model_from_flags(config) == cost_model_lib.DEFAULT
+    assert training.cost_model_from_flags(config) == cost_model_lib.DEFAULT
     # Workers compare what the file holds, not only its path.
-    assert train.shared_settings(config)["cost_model"] == (
+    assert training.shared_settings(config)["cost_model"] == (
         cost_model_lib.DEFAULT.get_config())
 
 
@@ -258,14 +258,14 @@ def test_the_default_algorithm_stores_autos_choice_in_the_model_dir(tmp_path):
     """Unset --algorithm is auto over TensorFlow's ring: the chief's choice
     goes to --model_dir for a restart; a fixed algorithm, or hybrid's
     threshold, keeps no choice."""
-    from tfscale.launch import train
+    from tfscale.launch import training
 
     model_dir = str(tmp_path / "model")
     for args, expected in (((), model_dir), (("--algorithm=auto",), model_dir),
                            (("--algorithm=ring",), None),
                            (("--hybrid_threshold_bytes=4096",), None)):
         parse(f"--model_dir={model_dir}", *args)
-        options = train.communication_options(train_flags.Config.from_flags())
+        options = training.communication_options(train_flags.Config.from_flags())
         assert options.autotune_dir == expected, args
 
 
@@ -273,7 +273,7 @@ def test_a_heartbeat_without_reply_names_the_coordination_leader_and_the_flag(mo
     # The error a worker raises when its heartbeat to the coordination
     # service timed out (seen behind a saturated link; tests/test_heartbeats.py).
     import tensorflow as tf
-    from tfscale.launch import train
+    from tfscale.launch import training
 
     monkeypatch.setenv("TF_CONFIG", json.dumps({
         "cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222"]},
@@ -284,14 +284,14 @@ def test_a_heartbeat_without_reply_names_the_coordination_leader_and_the_flag(mo
         "{{function_node __wrapped__CollectiveBcastRecv_device_/job:worker/replica:0/"
         "task:2/device:CPU:0}} Collective ops is aborted by: Deadline Exceeded\n\n"
         "RPC: /tensorflow.CoordinationService/Heartbeat"))
-    said = train.describe_failure(train_flags.Config.from_flags(), error)
+    said = training.describe_failure(train_flags.Config.from_flags(), error)
     assert said.startswith(
         "Lost contact with worker 0 (DeadlineExceededError: this worker's "
         "heartbeat got no reply within 10 s)."), said
     assert "--heartbeat_timeout=20 s" in said
     assert "on a busy link: raise --heartbeat_timeout." in said
     # Another collective error says nothing of heartbeats.
-    other = train.describe_failure(train_flags.Config.from_flags(), tf.errors.UnavailableError(
+    other = training.describe_failure(train_flags.Config.from_flags(), tf.errors.UnavailableError(
         None, None, "Collective ops is aborted by: Connection refused from "
                     "/job:worker/replica:0/task:1"))
     assert other.startswith("Lost contact with worker 1 (UnavailableError: "), other
@@ -304,4 +304,4 @@ def test_heartbeat_timeout_is_checked_and_the_same_on_every_worker():
     with pytest.raises(flags.IllegalFlagValueError):
         FLAGS(["tfscale-train", "--heartbeat_timeout=0.5"])
     assert "heartbeat_timeout" not in train_flags.LOCAL_FLAGS
-    assert FLAGS["heartbeat_timeout"].default == tfscale.strategy.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+    assert FLAGS["heartbeat_timeout"].default == tfscale.startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS

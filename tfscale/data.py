@@ -18,65 +18,22 @@ examples into that stream: where a phase of a growing batch
 (`tfscale.batch_growth`) continues from the phase before it.
 """
 
-import dataclasses
 import os
 
 import numpy as np
 import tensorflow as tf
 
+# Public here as well.
+from tfscale.dataset_specs import SPECS
+from tfscale.dataset_specs import DatasetSpec
+from tfscale.dataset_specs import names
+from tfscale.dataset_specs import spec
 
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-    """What a model and an export need to know about a data set.
-
-    Attributes:
-        name: data set name.
-        num_classes: number of labels.
-        stored_shape: (height, width, channels) of one uint8 image as the
-            data set stores it; None for sizes that vary (ImageNet).
-        channels: image channels.
-        default_image_size: side of the square model input.
-        mean, std: per-channel normalization on the 0-255 scale.
-    """
-
-    name: str
-    num_classes: int
-    stored_shape: tuple | None
-    channels: int
-    default_image_size: int
-    mean: tuple
-    std: tuple
-
-
-SPECS = {
-    # digits: 67 is the smallest input with a non-empty AlexNet pool5.
-    "digits": DatasetSpec("digits", 10, (8, 8, 1), 1, 67, (127.5,), (127.5,)),
-    "synthetic": DatasetSpec(
-        "synthetic", 1000, None, 3, 224, (127.5,) * 3, (127.5,) * 3
-    ),
-    "imagenet": DatasetSpec(
-        "imagenet", 1000, None, 3, 224,
-        (123.675, 116.28, 103.53), (58.395, 57.12, 57.375),
-    ),
-}
 
 # scikit-learn's digits: 1,797 8x8 images with 17 gray levels (0-16). A fixed
 # stratified 80/20 split: 1,437 train, 360 test.
 _DIGITS_TEST_FRACTION = 0.2
 _DIGITS_SPLIT_SEED = 0
-
-
-def names():
-    return sorted(SPECS)
-
-
-def spec(name):
-    """The `DatasetSpec` of `name`; a ValueError lists the known names."""
-    if name not in SPECS:
-        raise ValueError(
-            f"Unknown data set: {name!r}. Known: {', '.join(names())}"
-        )
-    return SPECS[name]
 
 
 def preprocess(images, dataset_spec, image_size):

@@ -33,7 +33,7 @@ class ClusterResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
 
     Args:
         port_base: the port of each host's first task; the host's other
-            tasks listen on the ports after it.
+            tasks listen on the ports after it. None: `DEFAULT_PORT_BASE`.
         num_gpus: GPUs this task uses; default: those TensorFlow sees in this
             process (CUDA_VISIBLE_DEVICES, as SLURM set it, applies).
 
@@ -42,7 +42,9 @@ class ClusterResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
             (TensorFlow's message names the variable).
     """
 
-    def __init__(self, port_base=DEFAULT_PORT_BASE, num_gpus=None):
+    def __init__(self, port_base=None, num_gpus=None):
+        if port_base is None:
+            port_base = DEFAULT_PORT_BASE
         if num_gpus is None:
             num_gpus = len(tf.config.list_physical_devices("GPU"))
         self._tfscale_num_gpus = num_gpus

@@ -39,6 +39,18 @@ from absl import logging
 # (horovodrun --start-timeout) covers processes horovodrun starts itself over
 # ssh; torchrun's rendezvous waits 600 s for its nodes to join.
 DEFAULT_TIMEOUT_SECONDS = 600
+# The default of `Strategy(heartbeat_timeout_seconds=...)` and of
+# tfscale-train's --heartbeat_timeout: how long TensorFlow's coordination
+# service waits for a worker's heartbeat. TensorFlow's 10 s gives each
+# heartbeat 5 s to be answered, and heartbeats share the gRPC channel with
+# the tensors: behind the 203 MB broadcast of
+# AlexNet-BN's weights on a 200 Mbit/s link one took longer, and the job
+# stopped (BENCHMARKS.md, "Heartbeats behind a saturated link"). 60 s gives
+# 30 s. The price: a lost peer is noticed later, unless a launcher stops the
+# job first as tfscale-launch does (measured with
+# tests/reliability/test_worker_failure.py, its HEARTBEAT_TIMEOUT set to 60:
+# the survivor of a SIGKILL stopped after 43 s instead of 10 s).
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0
 # Longest interval between two reports of the peers still missing.
 REPORT_SECONDS = 30
 # Connecting to a peer that has not started is refused at once (or, for a host

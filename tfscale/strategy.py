@@ -48,15 +48,6 @@ from tfscale.collectives.options import CommunicationOptions
 # How long building a strategy waits for the other workers when no collective
 # timeout is set.
 _STARTUP_BARRIER_SECONDS = 3600
-# TensorFlow's 10 s gives each heartbeat 5 s to be answered, and heartbeats
-# share the gRPC channel with the tensors: behind the 203 MB broadcast of
-# AlexNet-BN's weights on a 200 Mbit/s link one took longer, and the job
-# stopped (BENCHMARKS.md, "Heartbeats behind a saturated link"). 60 s gives
-# 30 s. The price: a lost peer is noticed later, unless a launcher stops the
-# job first as tfscale-launch does (measured with
-# tests/reliability/test_worker_failure.py, its HEARTBEAT_TIMEOUT set to 60:
-# the survivor of a SIGKILL stopped after 43 s instead of 10 s).
-DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0
 
 
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -99,7 +90,7 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
                  time_all_reduces=False,
                  startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
                  barrier_timeout_seconds=None,
-                 heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
+                 heartbeat_timeout_seconds=startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
         _check_startup_timeout(startup_timeout_seconds)
         _check_heartbeat_timeout(heartbeat_timeout_seconds)
         _private.check_versions()
@@ -312,7 +303,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
 
     def __init__(self, communication=None, cluster_resolver=None,
                  startup_timeout_seconds=startup.DEFAULT_TIMEOUT_SECONDS,
-                 heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
+                 heartbeat_timeout_seconds=startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
         if communication is None:
             communication = CommunicationOptions()
         if not isinstance(communication, CommunicationOptions):
