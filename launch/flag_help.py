@@ -4,7 +4,8 @@ absl's `--help` prints the key flags of the main module, `sys.argv[0]`: a
 console script (which defines none) or `python -m`'s module. Entry points
 define their flags in functions of other modules, so those flags are
 registered as the main module's key flags. Flags TensorFlow defines on
-import are left out.
+import are left out (tfscale-train parses before it imports TensorFlow, so
+it has none of them).
 """
 
 import sys

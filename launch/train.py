@@ -54,18 +54,18 @@ def validate_flags(config):
         config.settings  # built (and checked) here: its errors are usage errors
         preflight.check_tf_config()
         # An evaluator only reads --model_dir.
-        evaluator = train_flags.is_evaluator(config)
+        evaluates = train_flags.is_evaluator(config)
         preflight.check_writable_dir(
-            "model_dir", None if evaluator else config.model_dir)
+            "model_dir", None if evaluates else config.model_dir)
         preflight.check_writable_dir("export_dir", config.export_dir)
         preflight.check_writable_dir("tensorboard_dir", config.tensorboard_dir)
     except ValueError as error:  # PreflightError too
         raise app.UsageError(str(error)) from None
-    if evaluator and not config.model_dir:
+    if evaluates and not config.model_dir:
         raise app.UsageError(
             "The evaluator needs --model_dir: the training job's checkpoint "
             "directory (readable here), whose checkpoints it evaluates.")
-    if evaluator and config.dataset not in dataset_specs.EVAL_SPLITS:
+    if evaluates and config.dataset not in dataset_specs.EVAL_SPLITS:
         raise app.UsageError(
             f"--dataset={config.dataset} has no evaluation split for the "
             f"evaluator; use {' or '.join(dataset_specs.EVAL_SPLITS)}.")

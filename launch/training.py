@@ -21,9 +21,7 @@ import tensorflow as tf
 from absl import app
 from absl import logging
 
-from tfscale import models
 import tfscale
-from tfscale.launch import train_flags
 from tfscale import agreement
 from tfscale import batch_growth
 from tfscale import callbacks
@@ -35,7 +33,9 @@ from tfscale import evaluator
 from tfscale import export
 from tfscale import flight_report
 from tfscale import imagenet_source
+from tfscale import models
 from tfscale import recipes
+from tfscale.launch import train_flags
 
 
 class BadInputError(Exception):
@@ -342,7 +342,6 @@ def recompute_batch_norm_statistics(config, model, strategy, data_plan):
     """--bn_statistics_batches: BatchNorm statistics of the final weights,
     averaged over this worker's training batches, then over the workers."""
 
-
     context = tf.distribute.InputContext(
         num_input_pipelines=strategy.num_workers,
         input_pipeline_id=strategy.worker_index,
@@ -430,7 +429,6 @@ def evaluate_checkpoints(config):
     """The evaluator task: evaluates each checkpoint training writes into
     --model_dir on the whole evaluation split, until the last one."""
 
-
     with input_checks():
         prepare_data(config, prepares=False)  # the chief prepares
         data_plan = check_data(config)
@@ -473,7 +471,6 @@ def check_evaluator_settings(config):
 def export_on_chief(config, model, dataset_spec, image_size):
     """Writes the SavedModel; for digits, checks it on the whole test split."""
 
-
     path = export.export_classifier(model, config.export_dir, dataset_spec, image_size)
     if config.dataset != "digits":
         print(f"Exported SavedModel to {path}", flush=True)
@@ -491,7 +488,6 @@ def export_on_chief(config, model, dataset_spec, image_size):
 
 def describe_failure(config, error):
     """A one-paragraph explanation of why training stopped."""
-
 
     if isinstance(error, callbacks.NonFiniteLossError):
         kept = ""

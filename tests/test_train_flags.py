@@ -305,3 +305,28 @@ def test_heartbeat_timeout_is_checked_and_the_same_on_every_worker():
         FLAGS(["tfscale-train", "--heartbeat_timeout=0.5"])
     assert "heartbeat_timeout" not in train_flags.LOCAL_FLAGS
     assert FLAGS["heartbeat_timeout"].default == tfscale.startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS
+
+
+@pytest.mark.parametrize("tf_config, cluster_resolver, evaluates", [
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1"], "evaluator": ["c:1"]},
+      "task": {"type": "evaluator", "index": 0}}, "tf_config", True),  # as Kubeflow writes it
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1"], "evaluator": ["c:1"]},
+      "task": {"type": "chief", "index": 0}}, "tf_config", False),
+    (None, "tf_config", False),  # alone
+    ({"cluster": {"worker": ["b:1"], "evaluator": ["c:1"]},
+      "task": {"type": "evaluator", "index": 0}}, "slurm", False),  # SLURM's cluster wins
+])
+def test_the_evaluator_role_comes_from_tf_config_as_tensorflow_reads_it(
+        monkeypatch, tf_config, cluster_resolver, evaluates):
+    import tensorflow as tf
+
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    FLAGS.unparse_flags()
+    FLAGS(["tfscale-train", f"--cluster_resolver={cluster_resolver}"])
+    assert train_flags.is_evaluator(train_flags.Config.from_flags()) == evaluates
+    if cluster_resolver == "tf_config":  # what the library's strategy reads
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        assert (resolver.task_type == "evaluator") == evaluates

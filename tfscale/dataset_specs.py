@@ -1,7 +1,7 @@
 """The data sets tfscale knows, and what a model and an export need to know
 about each. No TensorFlow here: tfscale-train checks --dataset with these
 before it imports TensorFlow. `tfscale.data` builds their input pipelines and
-re-exports every name of this module.
+re-exports `DatasetSpec`, `SPECS`, `names` and `spec`.
 """
 
 import dataclasses

@@ -1,16 +1,10 @@
 """A large-batch run's `Settings`, the published `RECIPES`, and the settings
-file beside its checkpoints. No TensorFlow or Keras here: tfscale-train checks
-its flags with these before it imports TensorFlow (seconds on a small
-machine), and refuses bad ones at once.
+file beside its checkpoints. Importing this module imports neither TensorFlow
+nor Keras: tfscale-train checks its flags with it before it imports
+TensorFlow (seconds on a small machine), and refuses bad ones at once.
 
 `tfscale.recipes` builds the optimizer, schedule and precision policy that
-`Settings` describe, and re-exports every name of this module.
-
-```python
-settings = tfscale.recipes.Settings.from_recipe("resnet50_lars_32k",
-                                                scale_lr=True)
-tfscale.recipes.write_settings(model_dir, settings)  # a resume compares
-```
+`Settings` describe, and re-exports the public names of this module.
 
 A run's settings go to `SETTINGS_FILE` in its checkpoint directory
 (`write_settings`); a run resuming from those checkpoints with other
@@ -173,7 +167,7 @@ class Settings:
         learning_rate: the peak learning rate (after warmup), for
             `base_batch_size` examples if `scale_lr`.
         momentum: momentum of SGD and LARS (RMSpropWarmup's `mu1`).
-        lr_schedule: one of `LR_SCHEDULES` (see `make_schedule`).
+        lr_schedule: one of `LR_SCHEDULES` (see `tfscale.recipes.make_schedule`).
         warmup_epochs: length of the linear warmup.
         end_learning_rate: "warmup_poly": the learning rate at the end.
         poly_power: "warmup_poly": the power of the decay.
