@@ -212,3 +212,34 @@ def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
         assert code == "1" and said in done.stdout, done.stdout[-3000:]
     else:  # main's one line, as sys.exit's message (exit status 1)
         assert code.startswith("tfscale-train: ") and said in code, done.stderr[-3000:]
+
+
+_STUDY_PROBE = """
+import sys
+from tfscale.launch.studies.large_batch import __main__ as study
+sys.argv = ["large_batch", *sys.argv[1:]]
+try:
+    study.run()
+except SystemExit as stop:
+    code = stop.code
+else:
+    code = 0
+print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), code, file=sys.stderr)
+"""
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("args, said", [
+    (["--settings=sgd_small,adam_large"], "--settings must name some of sgd_small"),
+    (["--epochs=2"], "--warmup_epochs must be shorter than --epochs"),
+    (["--settings=batch_growth_small", "--batch_growth=20:2"],
+     "--batch_growth cannot run with --epochs=20"),  # the Settings' phases, checked
+])
+def test_the_large_batch_study_refuses_bad_flags_without_tensorflow(args, said):
+    """python -m tfscale.launch.studies.large_batch checks its flags, the
+    settings of each variant included, before it imports TensorFlow."""
+    done = subprocess.run([sys.executable, "-c", _STUDY_PROBE, *args], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT)
+    *_, last = done.stderr.strip().splitlines()
+    assert last == "[] 1", done.stderr[-3000:]
+    assert said in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]

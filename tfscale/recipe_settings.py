@@ -24,6 +24,7 @@ from tfscale import _validation
 # all of it, TensorFlow included.
 from tfscale.batch_growth import check_max_global_batch_size
 from tfscale.batch_growth import parse as parse_batch_schedule
+from tfscale.batch_growth import phases as batch_growth_phases
 from tfscale.batch_growth import to_string as batch_schedule_text
 
 OPTIMIZERS = ("sgd", "lars", "rmsprop_warmup")
@@ -314,6 +315,15 @@ class Settings:
 
         return linear_scaling(
             self.learning_rate, global_batch_size, self.base_batch_size)
+
+
+def batch_phases(settings, global_batch_size, steps_per_epoch, epochs):
+    """The `tfscale.batch_growth.Phase`s of `settings` (one phase
+    without a `batch_schedule`); arguments as
+    `tfscale.recipes.make_schedule`'s."""
+    return batch_growth_phases(
+        settings.batch_schedule, global_batch_size, steps_per_epoch, epochs,
+        settings.max_global_batch_size)
 
 
 def describe(settings, global_batch_size=None):

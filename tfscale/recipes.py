@@ -27,7 +27,6 @@ would give the same gradient.
 
 import keras
 
-from tfscale import batch_growth
 from tfscale import optimizers
 from tfscale import schedules
 # Public here as well (see the module's docstring).
@@ -38,6 +37,7 @@ from tfscale.recipe_settings import RECIPES
 from tfscale.recipe_settings import SETTINGS_FILE
 from tfscale.recipe_settings import Settings
 from tfscale.recipe_settings import SettingsChangedError
+from tfscale.recipe_settings import batch_phases
 from tfscale.recipe_settings import check_settings_unchanged
 from tfscale.recipe_settings import describe
 from tfscale.recipe_settings import read_settings
@@ -110,14 +110,6 @@ def make_schedule(settings, global_batch_size, steps_per_epoch, epochs):
             f"warmup_epochs={settings.warmup_epochs!r}, epochs={epochs!r}"
         )
     return schedules.OneCycle(peak, total_steps, pct_start=pct_start)
-
-
-def batch_phases(settings, global_batch_size, steps_per_epoch, epochs):
-    """The `tfscale.batch_growth.Phase`s of `settings` (one phase
-    without a `batch_schedule`); arguments as `make_schedule`'s."""
-    return batch_growth.phases(
-        settings.batch_schedule, global_batch_size, steps_per_epoch, epochs,
-        settings.max_global_batch_size)
 
 
 def _batch_schedule_learning_rate(settings, peak, global_batch_size,

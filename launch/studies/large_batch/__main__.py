@@ -16,7 +16,6 @@ from tfscale.launch.studies import large_batch
 from tfscale.launch.studies.large_batch import plot
 from tfscale.launch.studies.large_batch import report
 from tfscale.launch.studies.large_batch import study_flags
-from tfscale.launch.studies.large_batch import training
 from tfscale.launch.studies.large_batch import variants
 
 FLAGS = flags.FLAGS
@@ -26,6 +25,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     study_flags.check_flags()
+    # TensorFlow is imported here, after the flags are checked.
+    from tfscale.launch.studies.large_batch import training
+
     command = " ".join(["python -m tfscale.launch.studies.large_batch",
                         *sys.argv[1:]])
     say = report.Report()

@@ -4,7 +4,7 @@ before anything trains."""
 from absl import app
 from absl import flags
 
-from tfscale import recipes
+from tfscale import recipe_settings
 from tfscale.launch.studies.large_batch import variants
 
 FLAGS = flags.FLAGS
@@ -81,10 +81,10 @@ def check_flags():
         raise app.UsageError(
             f"--settings must name some of {', '.join(variants.SETTINGS)}. "
             f"Received: settings={FLAGS.settings!r}")
-    bad = [p for p in FLAGS.precisions if p not in recipes.PRECISIONS]
+    bad = [p for p in FLAGS.precisions if p not in recipe_settings.PRECISIONS]
     if bad or not FLAGS.precisions:
         raise app.UsageError(
-            f"--precisions must name some of {', '.join(recipes.PRECISIONS)}."
+            f"--precisions must name some of {', '.join(recipe_settings.PRECISIONS)}."
             f" Received: precisions={FLAGS.precisions!r}")
     for name in ("learning_rates", "lars_learning_rates"):
         try:
@@ -115,8 +115,9 @@ def check_flags():
     for variant in variants.from_flags():
         if variant.grows:
             try:
-                recipes.batch_phases(variant.settings("float32"), variant.batch,
-                                     variant.steps_per_epoch, FLAGS.epochs)
+                recipe_settings.batch_phases(
+                    variant.settings("float32"), variant.batch,
+                    variant.steps_per_epoch, FLAGS.epochs)
             except ValueError as e:
                 raise app.UsageError(
                     f"--batch_growth cannot run with --epochs={FLAGS.epochs} "

@@ -9,8 +9,10 @@ import dataclasses
 
 from absl import flags
 
-from tfscale import batch_growth
-from tfscale import recipes
+from tfscale import recipe_settings
+# Not `from tfscale import batch_growth`: a public name of `tfscale` loads
+# all of it, TensorFlow included, and the flags are checked before that.
+from tfscale.batch_growth import parse as parse_batch_schedule
 
 ALEXNET_SETTINGS = ("sgd_small", "sgd_large", "lars_large",
                     "slow_start_large", "rmsprop_warmup_large",
@@ -73,7 +75,7 @@ class Variant:
         return max(1, round(NUM_TRAIN / self.batch))
 
     def settings(self, precision):
-        """The `recipes.Settings` of this AlexNet-BN variant."""
+        """The `tfscale.recipes.Settings` of this AlexNet-BN variant."""
         common = dict(
             precision=precision, momentum=FLAGS.momentum,
             lr_schedule="warmup_poly", end_learning_rate=0.0, poly_power=2.0,
@@ -81,8 +83,8 @@ class Variant:
             warmup_epochs=FLAGS.warmup_epochs if self.large else 0.0,
         )
         if self.uncompressed.setting == "lars_large":
-            return recipes.Settings(optimizer="lars",
-                                    learning_rate=self.learning_rate, **common)
+            return recipe_settings.Settings(
+                optimizer="lars", learning_rate=self.learning_rate, **common)
         # Linear scaling from the small batch (a no-op for the baseline).
         common.update(learning_rate=self.learning_rate, scale_lr=True,
                       base_batch_size=FLAGS.small_batch)
@@ -101,8 +103,8 @@ class Variant:
                 lr_schedule="slow_start", warmup_epochs=0.0,
                 rmsprop_warmup_center_epochs=10.0 * fraction,
                 rmsprop_warmup_period_epochs=5.0 * fraction)
-            return recipes.Settings(optimizer="rmsprop_warmup", **common)
-        return recipes.Settings(optimizer="sgd", **common)
+            return recipe_settings.Settings(optimizer="rmsprop_warmup", **common)
+        return recipe_settings.Settings(optimizer="sgd", **common)
 
     @property
     def peak_learning_rate(self):
@@ -133,7 +135,7 @@ class Variant:
         if self.setting == "lars_large":
             return (f"LARS, batch {self.batch}, lr {self.learning_rate:g} "
                     "+ warmup")
-        events = batch_growth.parse(FLAGS.batch_growth)
+        events = parse_batch_schedule(FLAGS.batch_growth)
         at = ", ".join(str(epoch) for epoch, _ in events)
         factor = "x".join(str(factor) for _, factor in events)
         if self.setting == "batch_growth_small":
