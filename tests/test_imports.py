@@ -125,17 +125,30 @@ def test_tfscale_launch_imports_neither_tensorflow_nor_keras():
     assert done.stdout.strip() == "[]", done.stdout
 
 
-_BENCH_PROBE = """
-import sys
-from tfscale.launch import bench
+# Runs an entry point's `run()`: the module is sys.argv[1], the program's
+# name sys.argv[2], its arguments after. The last two lines of stderr say
+# which of TensorFlow and Keras it loaded, then its exit code.
+_ENTRY_PROBE = """
+import importlib, sys
+module, sys.argv = sys.argv[1], sys.argv[2:]
 try:
-    bench.run(["tfscale-bench", *sys.argv[1:]])
+    importlib.import_module(module).run()
 except SystemExit as stop:
     code = stop.code
 else:
     code = 0
-print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), code, file=sys.stderr)
+print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), file=sys.stderr)
+print(code, file=sys.stderr)
 """
+
+
+def run_entry(module, program, args, env=None):
+    """`(done, loaded, code)`: the finished process of `program args`, the
+    modules of TensorFlow and Keras it loaded, and its exit code, as text."""
+    done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, module, program, *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env)
+    *_, loaded, code = done.stderr.strip().splitlines()
+    return done, loaded, code
 
 
 # Each subcommand's --help: its description and one of its own flags.
@@ -162,27 +175,12 @@ def test_tfscale_bench_answers_help_and_bad_names_without_tensorflow(args, code,
     compression without importing TensorFlow or Keras
     (tfscale.communication_names): at once, where importing TensorFlow takes
     seconds."""
-    done = subprocess.run([sys.executable, "-c", _BENCH_PROBE, *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO_ROOT)
-    *output, last = done.stderr.strip().splitlines()
-    assert last == f"[] {code}", done.stderr[-3000:]
+    done, loaded, exit_code = run_entry("tfscale.launch.bench", "tfscale-bench", args)
+    assert (loaded, exit_code) == ("[]", str(code)), done.stderr[-3000:]
     for message in messages:
-        assert message in done.stdout + "\n".join(output), done.stdout[-3000:]
+        assert message in done.stdout + done.stderr, done.stdout[-3000:]
 
 
-_TRAIN_PROBE = """
-import sys
-from tfscale.launch import train
-sys.argv = ["tfscale-train", *sys.argv[1:]]
-try:
-    train.run()
-except SystemExit as stop:
-    code = stop.code
-else:
-    code = 0
-print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), file=sys.stderr)
-print(code, file=sys.stderr)
-"""
 _EVALUATOR = json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "evaluator": ["127.0.0.1:2"]},
                          "task": {"type": "evaluator", "index": 0}})
 
@@ -204,28 +202,12 @@ def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     if tf_config:
         env["TF_CONFIG"] = tf_config
-    done = subprocess.run([sys.executable, "-c", _TRAIN_PROBE, *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO_ROOT, env=env)
-    *_, loaded, code = done.stderr.strip().splitlines()
+    done, loaded, code = run_entry("tfscale.launch.train", "tfscale-train", args, env)
     assert loaded == "[]", done.stderr[-3000:]
     if args == ["--help"]:  # absl's --help lists the flags, then exits with 1
         assert code == "1" and said in done.stdout, done.stdout[-3000:]
     else:  # main's one line, as sys.exit's message (exit status 1)
         assert code.startswith("tfscale-train: ") and said in code, done.stderr[-3000:]
-
-
-_STUDY_PROBE = """
-import sys
-from tfscale.launch.studies.large_batch import __main__ as study
-sys.argv = ["large_batch", *sys.argv[1:]]
-try:
-    study.run()
-except SystemExit as stop:
-    code = stop.code
-else:
-    code = 0
-print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), code, file=sys.stderr)
-"""
 
 
 @pytest.mark.multiworker
@@ -238,8 +220,7 @@ print(sorted(m for m in ("tensorflow", "keras") if m in sys.modules), code, file
 def test_the_large_batch_study_refuses_bad_flags_without_tensorflow(args, said):
     """python -m tfscale.launch.studies.large_batch checks its flags, the
     settings of each variant included, before it imports TensorFlow."""
-    done = subprocess.run([sys.executable, "-c", _STUDY_PROBE, *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO_ROOT)
-    *_, last = done.stderr.strip().splitlines()
-    assert last == "[] 1", done.stderr[-3000:]
+    done, loaded, code = run_entry("tfscale.launch.studies.large_batch.__main__",
+                                   "large_batch", args)
+    assert (loaded, code) == ("[]", "1"), done.stderr[-3000:]
     assert said in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
