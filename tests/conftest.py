@@ -52,7 +52,7 @@ def _check_installed_from_here():
     from this folder: both must be this checkout, or the tests would mix two
     versions of the code."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    install = f'install this checkout with pip install -e ".[test]" (in {repo})'
+    install = f'install this checkout with pip install -e ".[cpu,test]" (in {repo})'
     try:
         import tfscale.launch
         import tfscale.models
@@ -82,3 +82,10 @@ def pytest_sessionstart(session):
         original(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = guarded
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Ends the reused worker pools (tests/worker_pool.py)."""
+    import worker_pool
+
+    worker_pool.close_all()

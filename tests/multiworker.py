@@ -1,8 +1,9 @@
 """Runs real worker processes on 127.0.0.1 for the multi-worker tests.
 
-A worker script (tests/workers/*.py) is started N times through
-`tfscale-launch`, each with its own TF_CONFIG; each worker writes what the test
-checks as JSON with `report(...)` (tests/workers/report.py).
+A worker script (tests/workers/*.py) runs on N workers, each with its own
+TF_CONFIG: in a reused pool of worker processes (`run_workers`) or in N
+fresh ones started by `tfscale-launch` (`launch_workers`). Each worker writes
+what the test checks as JSON with `report(...)` (tests/workers/report.py).
 """
 
 import dataclasses
@@ -11,6 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+
+import worker_pool
+from tfscale.launch import threads
 
 WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,9 +28,48 @@ class Run:
 
 
 def run_workers(script, num_workers, tmp_path, args=(), timeout=300, env=None):
-    """Runs tests/workers/`script` as `num_workers` workers via tfscale-launch."""
-    results_dir = tmp_path / f"results-{script}-{num_workers}"
-    results_dir.mkdir(parents=True, exist_ok=True)
+    """Runs tests/workers/`script` on `num_workers` workers of a reused pool
+    (tests/worker_pool.py): the same script in every worker, as
+    `tfscale-launch` would start it, without starting new processes.
+
+    `env`: variables set while the script runs (read at run time, not at
+    TensorFlow's import). A script that kills, stops or restarts workers,
+    or whose workers must fail, needs `launch_workers`.
+    """
+    results_dir = _results_dir(tmp_path, script, num_workers)
+    return _run_in_pool({"script": os.path.join(WORKERS_DIR, script)}, num_workers,
+                        tmp_path, args, timeout,
+                        dict(env or {}, TFSCALE_TEST_RESULTS=str(results_dir)),
+                        results_dir)
+
+
+def run_train(num_workers, tmp_path, args=(), timeout=300):
+    """`tfscale-launch --num_workers=N -- tfscale-train args...` in the
+    reused workers: `python -m tfscale.launch.train` in each, with the
+    launcher's TF_CONFIG and thread share. `Run.results` is empty."""
+    return _run_in_pool({"module": "tfscale.launch.train"}, num_workers, tmp_path,
+                        args, timeout, {}, None)
+
+
+def _run_in_pool(target, num_workers, tmp_path, args, timeout, env, results_dir):
+    base = worker_env(tmp_path, threads.worker_environment(num_workers))
+    base.pop("TFSCALE_TEST_RESULTS")
+    codes, output, why = worker_pool.pool(num_workers, base).run(
+        target, args, tmp_path, env, timeout)
+    if why is not None:
+        output += f"worker pool: {target}: {why}; the pool is replaced\n"
+    failed = [c for c in codes if c]
+    returncode = 0 if why is None else (failed[0] if failed else 1)
+    results = [] if results_dir is None else _read_results(results_dir, num_workers)
+    return Run(returncode, output, results)
+
+
+def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env=None):
+    """Runs tests/workers/`script` as `num_workers` fresh processes through
+    tfscale-launch, for tests that must own their processes; `why` says why
+    in one line (tests/README.md lists them)."""
+    assert why, "say why this test needs processes of its own"
+    results_dir = _results_dir(tmp_path, script, num_workers)
     command = [
         sys.executable, "-m", "tfscale.launch.local",
         f"--num_workers={num_workers}", f"--timeout={timeout}", "--",
@@ -41,11 +84,23 @@ def run_workers(script, num_workers, tmp_path, args=(), timeout=300, env=None):
         command, cwd=str(tmp_path), env=run_env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=timeout + 60,
     )
+    return Run(process.returncode, process.stdout, _read_results(results_dir, num_workers))
+
+
+def _results_dir(tmp_path, script, num_workers):
+    results_dir = tmp_path / f"results-{script}-{num_workers}"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for stale in results_dir.glob("worker-*.json"):
+        stale.unlink()
+    return results_dir
+
+
+def _read_results(results_dir, num_workers):
     results = []
     for index in range(num_workers):
         path = results_dir / f"worker-{index}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
-    return Run(process.returncode, process.stdout, results)
+    return results
 
 
 def assert_succeeded(run):

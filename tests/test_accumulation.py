@@ -153,15 +153,14 @@ def test_tfscale_train_accumulation_steps(tmp_path):
     """2 workers, --global_batch_size=32 --accumulation_steps=2: 2 micro-batches
     of 16 (8 per worker) per update; the checkpoint holds 8 fit steps and 4
     optimizer updates."""
-    process = _train(
-        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=240",
-         "--", sys.executable, "-m", "tfscale.launch.train", "--epochs=1",
-         "--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4",
-         "--accumulation_steps=2", "--export_dir=", "--checkpoint_steps=8",
-         f"--model_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert process.returncode == 0, process.stdout[-6000:]
+    process = multiworker.run_train(
+        2, tmp_path, ["--epochs=1", "--fc_units=32", "--global_batch_size=32",
+                      "--steps_per_epoch=4", "--accumulation_steps=2", "--export_dir=",
+                      "--checkpoint_steps=8", f"--model_dir={tmp_path / 'run'}"],
+        timeout=240)
+    assert process.returncode == 0, process.output[-6000:]
     assert ("Each step accumulates 2 micro-batches of 16 (8 per worker); "
-            "8 micro-batches per epoch.") in process.stdout
+            "8 micro-batches per epoch.") in process.output
     step, variables = multiworker.checkpoint_variables(tmp_path / "run")
     assert step == 8  # micro-batches: the data position a resume starts at
     taken = [v for name, v in variables.items() if name.startswith("optimizer/_iterations/")]

@@ -158,36 +158,69 @@ def _flat(weights):
     return np.concatenate([np.asarray(w, np.float32).ravel() for w in weights])
 
 
+@pytest.fixture(scope="module")
+def autotuned(tmp_path_factory):
+    """`autotuned(scenario)`: tests/workers/autotune_fit.py's `scenario` on 4
+    workers in 2 nodes of 2, run once (in reused workers); `restarted` finds
+    what `default` stored."""
+    tmp_path = tmp_path_factory.mktemp("autotune")
+    runs = {}
+
+    def run(scenario):
+        if scenario == "restarted":
+            run("default")
+        if scenario not in runs:
+            runs[scenario] = multiworker.run_workers(
+                "autotune_fit.py", 4, tmp_path / scenario.replace("+", "_"),
+                args=[f"--scenario={scenario}", f"--autotune_dir={tmp_path / 'model_dir'}",
+                      "--steps=27"], timeout=300)
+            multiworker.assert_succeeded(runs[scenario])
+        return runs[scenario]
+
+    return run
+
+
+def _results(run):
+    return [r["result"] for r in run.results]
+
+
+def _chief_lines(run):
+    return [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
+
+
+def _gradients(result):
+    """The gradients' plan: 1 bucket at 1024 bytes, 2 at 256."""
+    (plan,) = [p for p in result["autotune"] if p["fusion_thresholds"] == [1024, 256]]
+    return plan
+
+
+def _assert_alike_and_near_the_ring(autotuned, scenario):
+    """Every worker the same weights; within float32 rounding of the ring
+    (the sums run in another order)."""
+    results = _results(autotuned(scenario))
+    for other in results[1:]:
+        np.testing.assert_array_equal(_flat(other["weights"]), _flat(results[0]["weights"]))
+    ring = _flat(_results(autotuned("ring"))[0]["weights"])
+    relative = np.max(np.abs(_flat(results[0]["weights"]) - ring))
+    assert relative / np.max(np.abs(ring)) <= 1e-5, (scenario, relative)
+
+
+def _assert_only_the_chief_logs_choices(run):
+    assert not [l for l in run.output.splitlines()
+                if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
+
+
 @pytest.mark.multiworker
 def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_choice_and_match_the_ring(
-        tmp_path):
-    autotune_dir = tmp_path / "model_dir"
-    run = multiworker.run_workers(
-        "autotune_fit.py", 4, tmp_path,
-        args=[f"--autotune_dir={autotune_dir}", "--steps=27"], timeout=300)
-    multiworker.assert_succeeded(run)
-    results = [r["results"] for r in run.results]
-    names = ("ring", "default", "restarted", "default+powersgd", "custom_loop",
-             "chief_wrapped")
-    for name in names:  # every worker the same weights
-        for other in results[1:]:
-            np.testing.assert_array_equal(_flat(other[name]["weights"]),
-                                          _flat(results[0][name]["weights"]), err_msg=name)
-    ring = _flat(results[0]["ring"]["weights"])
-    for name in ("default", "restarted", "custom_loop"):  # sums in another order
-        relative = np.max(np.abs(_flat(results[0][name]["weights"]) - ring))
-        assert relative / np.max(np.abs(ring)) <= 1e-5, (name, relative)
-
-    # The gradients' plan: 1 bucket at 1024 bytes, 2 at 256; 3 candidates;
-    # 18 steps of their trials, 4 of each bucket's fastest together, decided.
-    def gradients(result):
-        (plan,) = [p for p in result["autotune"] if p["fusion_thresholds"] == [1024, 256]]
-        return plan
-
-    # The default (algorithm=None) on 2 nodes is auto, as is the restart's
-    # algorithm="auto".
-    assert {r[name]["algorithm"] for r in results for name in names[1:]} == {"auto"}
-    tuned = [gradients(r["default"]) for r in results]
+        autotuned):
+    _assert_alike_and_near_the_ring(autotuned, "default")
+    run = autotuned("default")
+    results = _results(run)
+    # The default (algorithm=None) on 2 nodes is auto.
+    assert {r["algorithm"] for r in results} == {"auto"}
+    tuned = [_gradients(r) for r in results]
+    # 3 candidates; 18 steps of their trials, 4 of each bucket's fastest
+    # together, decided.
     assert tuned[0]["candidates"] and set(tuned[0]["candidates"]) == {
         "ring", "hierarchical", "2d"}
     # 27 steps ran, 3 per execution; the tuner counted 24: after the
@@ -219,30 +252,59 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
     assert tuned[0]["choices"] == (
         fastest if configuration == 3
         else [tuned[0]["candidates"][configuration]] * len(fastest)), (spans, least)
-    # The chief stored it; the restarted job took it and tried nothing.
+    # The chief stored it.
     stored = run.results[0]["stored"]
     (entry,) = [p for p in stored["plans"] if "fusion_threshold_bytes" in p]
     assert entry["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
     # Its choices list the 1024-byte plan's bucket, then the 256-byte plan's two.
     rows = {1024: slice(0, 1), 256: slice(1, 3)}[entry["fusion_threshold_bytes"]]
     assert entry["choices"][rows] == tuned[0]["choices"]
-    for result in results:
-        restarted = gradients(result["restarted"])
-        assert restarted["choices"] == tuned[0]["choices"]
-        assert restarted["fusion_threshold_bytes"] == tuned[0]["fusion_threshold_bytes"]
+    chief = _chief_lines(run)
+    assert any("tfscale autotune: " in l and "chose after 22 trial steps" in l
+               for l in chief)
+    assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
+               "bytes (2 bucket(s)) take turns" in l for l in chief)
+    assert any("auto: the choice made after 22 trial steps, traced again as a fixed "
+               "plan at fusion threshold" in l for l in chief)
+    _assert_only_the_chief_logs_choices(run)
+
+
+@pytest.mark.multiworker
+def test_a_restarted_job_takes_the_stored_choice_tries_nothing_and_backs_up_its_end(
+        autotuned):
+    _assert_alike_and_near_the_ring(autotuned, "restarted")
+    run = autotuned("restarted")
+    tuned = _gradients(_results(autotuned("default"))[0])
+    for result in _results(run):
+        assert result["algorithm"] == "auto"
+        restarted = _gradients(result)
+        assert restarted["choices"] == tuned["choices"]
+        assert restarted["fusion_threshold_bytes"] == tuned["fusion_threshold_bytes"]
         assert not np.any(restarted["seconds"]) and not np.any(restarted["span_seconds"])
         assert not np.any(restarted["mix_span_seconds"])
         # Its first step agreed on the stored choice; the other 26 ran it
         # traced as a fixed plan, under BackupAndRestore, which saved the end.
         assert restarted["retraced"] and restarted["steps"] == 23
-    assert results[0]["restarted"]["backup"]["step"] == 27
-    # PowerSGD under the default: the all-reduces of its compressed steps
-    # (from step 2 on: the factors' and the uncompressed biases') tried the
-    # candidates and chose, alike on every worker, in 12 calls; of 14
-    # compressed steps the last 2 ran the choice traced again as a fixed
-    # plan (the counts stop at 12), though the all-reduce of the first two,
-    # uncompressed, steps never chose.
-    powersgd = [r["default+powersgd"]["autotune"] for r in results]
+    assert _results(run)[0]["backup"]["step"] == 27
+    chief = _chief_lines(run)
+    assert any("auto: the choice stored in" in l for l in chief)
+    assert any("auto: the stored choice, traced again as a fixed plan" in l for l in chief)
+    _assert_only_the_chief_logs_choices(run)
+
+
+@pytest.mark.multiworker
+def test_powersgd_under_the_default_tunes_its_compressed_all_reduces_alike_everywhere(
+        autotuned):
+    # The all-reduces of its compressed steps (from step 2 on: the factors'
+    # and the uncompressed biases') tried the candidates and chose, alike on
+    # every worker, in 12 calls; of 14 compressed steps the last 2 ran the
+    # choice traced again as a fixed plan (the counts stop at 12), though the
+    # all-reduce of the first two, uncompressed, steps never chose.
+    results = _results(autotuned("default+powersgd"))
+    for other in results[1:]:
+        np.testing.assert_array_equal(_flat(other["weights"]), _flat(results[0]["weights"]))
+    assert {r["algorithm"] for r in results} == {"auto"}
+    powersgd = [r["autotune"] for r in results]
     compressed = [p for p in powersgd[0] if p["steps"] == 12]
     assert len(compressed) >= 2, powersgd[0]
     for plan in compressed:
@@ -251,35 +313,39 @@ def test_four_workers_by_default_try_each_candidate_and_threshold_agree_on_one_c
         assert np.all(np.asarray(plan["seconds"]) > 0) and plan["choices"] is not None
     for plans in powersgd[1:]:
         assert [p["choices"] for p in plans] == [p["choices"] for p in powersgd[0]]
-    assert np.all(np.isfinite(_flat(results[0]["default+powersgd"]["weights"])))
-    # A custom loop that builds its tf.function anew when retrace_due()
-    # says so: every worker at the step of the decision, then the choice
-    # traced as a fixed plan (the tuner's count stops there).
-    for result in results:
-        loop = result["custom_loop"]
+    assert np.all(np.isfinite(_flat(results[0]["weights"])))
+
+
+@pytest.mark.multiworker
+def test_a_custom_loop_built_anew_when_retrace_due_runs_the_choice_as_a_fixed_plan(
+        autotuned):
+    # Every worker builds its tf.function anew at the step of the decision,
+    # then runs the choice traced as a fixed plan (the tuner's count stops).
+    _assert_alike_and_near_the_ring(autotuned, "custom_loop")
+    results = _results(autotuned("custom_loop"))
+    for loop in results:
+        assert loop["algorithm"] == "auto"
         assert loop["built_anew"] == [22], loop["built_anew"]
-        plan = gradients(loop)
+        plan = _gradients(loop)
         assert plan["retraced"] and plan["steps"] == 23
-        assert plan["choices"] == gradients(results[0]["custom_loop"])["choices"]
-    # Where the chief's train function is wrapped by code tfscale does not
-    # know, no worker traces it again (all 25 steps counted everywhere, and
-    # no hang), and the chief says why.
+        assert plan["choices"] == _gradients(results[0])["choices"]
+
+
+@pytest.mark.multiworker
+def test_a_train_function_wrapped_on_the_chief_only_is_traced_again_nowhere(autotuned):
+    # No worker traces it again (all 25 steps counted everywhere, and no
+    # hang), and the chief says why.
+    run = autotuned("chief_wrapped")
+    results = _results(run)
+    for other in results[1:]:
+        np.testing.assert_array_equal(_flat(other["weights"]), _flat(results[0]["weights"]))
     for result in results:
-        plan = gradients(result["chief_wrapped"])
+        assert result["algorithm"] == "auto"
+        plan = _gradients(result)
         assert plan["steps"] == 25 and not plan["retraced"] and plan["choices"]
-    chief = [l for l in run.output.splitlines() if l.startswith("[worker 0]")]
     assert any("wrapped by code tfscale does not know on worker(s) 0, so no worker "
-               "traces it again" in l for l in chief)
-    assert any("tfscale autotune: " in l and "chose after 22 trial steps" in l
-               for l in chief)
-    assert any("auto: the plans at fusion thresholds 1,024 bytes (1 bucket(s)) and 256 "
-               "bytes (2 bucket(s)) take turns" in l for l in chief)
-    assert any("auto: the choice stored in" in l for l in chief)
-    assert any("auto: the choice made after 22 trial steps, traced again as a fixed "
-               "plan at fusion threshold" in l for l in chief)
-    assert any("auto: the stored choice, traced again as a fixed plan" in l for l in chief)
-    assert not [l for l in run.output.splitlines()
-                if "tfscale autotune: chose" in l and not l.startswith("[worker 0]")]
+               "traces it again" in l for l in _chief_lines(run))
+    _assert_only_the_chief_logs_choices(run)
 
 
 def test_beyond_the_tuners_limits_a_call_is_not_tuned():

@@ -262,8 +262,8 @@ def test_two_workers_grow_the_batch_and_a_run_killed_mid_phase_resumes_bitwise(t
     it ends with the weights, bit for bit, of a run never stopped, and
     every worker holds the same weights."""
     killed_dir = tmp_path / "killed"
-    killed = multiworker.run_workers(
-        "batch_schedule_worker.py", 2, tmp_path / "first",
+    killed = multiworker.launch_workers("batch_schedule_worker.py", 2, tmp_path / "first",
+        why='a worker SIGKILLs itself mid-run',
         args=[f"--model_dir={killed_dir}", "--kill_at_step=5"], timeout=180)
     assert killed.returncode != 0, killed.output[-3000:]
     with open(killed_dir / "state.json") as f:

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from multiworker import WORKERS_DIR
 from multiworker import assert_succeeded
+from multiworker import launch_workers
 from multiworker import run_workers
 from multiworker import start_cluster
 from multiworker import worker_env
@@ -160,7 +161,8 @@ def test_jit_compile_on_one_worker_trains_as_stock(tmp_path):
                     "GPUs, where XLA compiles collectives: the CPU refusal does not apply")
 @pytest.mark.multiworker
 def test_jit_compile_on_two_cpu_workers_is_refused_in_one_line(tmp_path):
-    run = run_workers("jit_compile_fit.py", 2, tmp_path, timeout=120)
+    run = launch_workers("jit_compile_fit.py", 2, tmp_path,
+        why='its workers fail on purpose (jit_compile refused)', timeout=120)
     assert run.returncode != 0
     assert run.results == [None, None]
     for index in (0, 1):

@@ -7,18 +7,23 @@ import re
 
 import pytest
 
-from multiworker import run_workers
+from multiworker import launch_workers
 from tfscale import flight_report
 
 # The first collective of a step: the examples of each worker's batch.
+# Why these tests start their own workers.
+TIMES_OUT = ("collectives time out on purpose, which ends TensorFlow's "
+             "collective executor for good")
+
 COUNTS = "examples per worker (ring; float32 x 3), all_reduce on group 1 of {} workers"
 
 
 @pytest.mark.multiworker
 def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
     dumps = tmp_path / "flight"
-    run = run_workers("flight_worker.py", 3, tmp_path, args=["stop"], timeout=240,
-                      env={"TFSCALE_FLIGHT_RECORDER": str(dumps)})
+    run = launch_workers("flight_worker.py", 3, tmp_path, why=TIMES_OUT,
+                         args=["stop"], timeout=240,
+                         env={"TFSCALE_FLIGHT_RECORDER": str(dumps)})
     assert run.returncode != 0
     for worker in (0, 2):
         lines = [l for l in run.output.splitlines() if l.startswith(f"[worker {worker}] ")]
@@ -49,7 +54,8 @@ def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
 
 @pytest.mark.multiworker
 def test_a_worker_one_step_ahead_is_named_at_that_step(tmp_path):
-    run = run_workers("flight_worker.py", 2, tmp_path, args=["extra_step"], timeout=240)
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+                         args=["extra_step"], timeout=240)
     assert run.returncode != 0
     text = "\n".join(l for l in run.output.splitlines() if l.startswith("[worker 0] "))
     assert re.search(r"waits [0-9.]+ s in step 4, " + re.escape(COUNTS.format(2)),
@@ -67,8 +73,8 @@ def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tm
     # Worker 1 froze the last layer: the first gradient bucket (no fusion) is
     # the last layer's bias (2 floats) on worker 0, the first layer's bias
     # (16) on worker 1; TensorFlow refuses the collective.
-    run = run_workers("flight_worker.py", 2, tmp_path, args=["frozen_layer"],
-                      timeout=240)
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+                         args=["frozen_layer"], timeout=240)
     assert run.returncode != 0
     expected = {0: "gradient bucket 0 of 4 (ring; float32 x 2; variables "
                    "sequential/dense_1/bias)",
@@ -91,8 +97,8 @@ def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tm
 def test_a_worker_that_builds_another_model_is_told_which_variable(tmp_path):
     # Worker 1's first layer has 17 units: the chief's broadcast of the first
     # variable's initial value (MWMS's) brings [8, 16] to its [8, 17].
-    run = run_workers("flight_worker.py", 2, tmp_path, args=["other_model"],
-                      timeout=240)
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+                         args=["other_model"], timeout=240)
     assert run.returncode != 0
     said = re.findall(r"WorkersDisagreeError: (Worker \d could not create its variable "
                       r"1 \('kernel'\) together with the other workers \([^\n]*)",

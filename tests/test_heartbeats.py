@@ -21,7 +21,8 @@ def test_heartbeat_timeout_must_be_at_least_a_second(value):
 
 @pytest.mark.multiworker
 def test_a_chief_stopped_for_12_s_does_not_stop_the_job_under_the_default(tmp_path):
-    run = multiworker.run_workers("paused_chief.py", 2, tmp_path,
+    run = multiworker.launch_workers("paused_chief.py", 2, tmp_path,
+        why='stops the chief with SIGSTOP; the heartbeat timeout is set once per process',
                                   args=[f"--pause={PAUSE}"], timeout=240)
     multiworker.assert_succeeded(run)
     chief, worker = run.results
@@ -37,7 +38,8 @@ def test_the_same_stop_stops_the_job_under_a_10_s_timeout(tmp_path):
     # 5 s, and worker 1's, sent to the stopped chief, runs out. The stop is
     # one heartbeats notice, so the test above passes by the default it sets
     # (it failed with the default not applied).
-    run = multiworker.run_workers("paused_chief.py", 2, tmp_path,
+    run = multiworker.launch_workers("paused_chief.py", 2, tmp_path,
+        why='stops the chief with SIGSTOP; the heartbeat timeout is set once per process',
                                   args=[f"--pause={PAUSE}", "--heartbeat_timeout=10"],
                                   timeout=240)
     assert run.returncode != 0, run.output[-6000:]

@@ -175,8 +175,8 @@ def test_keras_guide_mixed_float16_fit_agrees_to_skip(tmp_path):
 def test_keras_loss_scale_deadlocks_when_one_worker_overflows(tmp_path):
     """The failure tfscale's LossScaleOptimizer fixes: Keras's own, which
     compile picks for the Keras-guide program under stock MWMS."""
-    run = multiworker.run_workers(
-        "loss_scale_worker.py", 2, tmp_path,
+    run = multiworker.launch_workers("loss_scale_worker.py", 2, tmp_path,
+        why='the stock loss scale deadlocks on purpose: its workers must fail',
         args=["--strategy=stock", "--loss_scale=compile",
               f"--steps={STEPS}", f"--bad_step={BAD_STEP}",
               "--collective_timeout=15"],

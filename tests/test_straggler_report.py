@@ -100,11 +100,12 @@ def test_one_worker_reports_its_compute_per_step_with_steps_per_execution(
                     "straggler/slowest_over_median": (6, 1.0)}
 
 
-# Steps of this tiny model take ~3 ms; on the shared 2-core machine unslowed
-# workers' medians differed by up to 30% between workers (seen in 1 of 4 runs),
-# so the multi-worker test names at 100% (the 20% default's decision is
-# unit-tested above). Worker SLOW's sleep makes it ~30x slower.
-SLOW, DELAY, THRESHOLD = 1, 0.1, 1.0
+# Steps of this tiny model take ~3 ms; on a busy 2-core machine unslowed
+# workers' medians differ by tens of percent, so the multi-worker test names
+# at 500% (the 20% default's decision is unit-tested above). Worker SLOW's
+# sleep makes it ~60x slower; the others' compute stays far below DELAY / 2
+# unless their wait for it were counted.
+SLOW, DELAY, THRESHOLD = 1, 0.2, 5.0
 
 
 @pytest.mark.multiworker
@@ -123,7 +124,7 @@ def test_the_worker_slowed_on_purpose_is_named_and_no_other(tmp_path):
     first, second = (line for _, line in lines)
     assert re.search(rf"; worker {SLOW} \(127\.0\.0\.1:\d+\) is \d+% slower than "
                      r"the median \([0-9.e-]+ s\): it holds the job back\.$", first)
-    assert "; no worker is more than 100% slower than the median (" in second
+    assert "; no worker is more than 500% slower than the median (" in second
     epochs = [result["epochs"] for result in run.results]
     assert all(e == epochs[0] for e in epochs)  # the same gathered values everywhere
     assert [e["stragglers"] for e in epochs[0]] == [[SLOW], []]

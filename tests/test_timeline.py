@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
 
 from multiworker import assert_succeeded
-from multiworker import run_workers
+from multiworker import launch_workers
 from tfscale import timeline
 from tfscale._private import graph_order
 
@@ -57,7 +57,8 @@ def _misnested(events):
 @pytest.mark.multiworker
 def test_a_4_worker_run_merges_with_every_worker_and_bucket_and_spans_nest(tmp_path):
     out = tmp_path / "timeline"
-    run = run_workers("timeline_worker.py", 4, tmp_path, args=[str(out)], timeout=240)
+    run = launch_workers("timeline_worker.py", 4, tmp_path, args=[str(out)], timeout=240,
+                         why="each worker writes its timeline when its process exits")
     assert_succeeded(run)
     assert sorted(os.listdir(out)) == [f"worker-{i}.json" for i in range(4)], run.output[-3000:]
     merged = subprocess.run([sys.executable, "-m", "tfscale.timeline", "merge", str(out)],

@@ -28,12 +28,12 @@ def run(command, cwd, timeout=400):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """tfscale-train on 2 workers, in reused worker processes."""
     tmp = tmp_path_factory.mktemp("train")
-    process = run(["tfscale-launch", "--num_workers=2", "--timeout=400", "--",
-                   "tfscale-train", "--epochs=2", *SMALL,
-                   f"--export_dir={tmp / 'export'}"], cwd=tmp)
-    assert process.returncode == 0, process.stdout[-6000:]
-    return tmp, process.stdout
+    process = multiworker.run_train(
+        2, tmp, ["--epochs=2", *SMALL, f"--export_dir={tmp / 'export'}"], timeout=400)
+    assert process.returncode == 0, process.output[-6000:]
+    return tmp, process.output
 
 
 def test_only_the_chief_reports_progress_each_epoch(trained):
@@ -111,6 +111,7 @@ def test_a_bad_flag_is_one_line_without_the_flag_listing(tmp_path, args, message
 
 
 def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_path):
+    """Own processes: op determinism, once on, stays on for the process."""
     runs = []
     for attempt in range(2):
         process = run(["tfscale-train", "--deterministic", "--epochs=2", *SMALL,
@@ -126,18 +127,17 @@ def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_p
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
-def train_one_epoch_on_2_workers(tmp_path, *flags):
-    """tfscale-train on 2 workers: one epoch of SMALL, no export, and `flags`."""
-    return run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
-                "tfscale-train", "--epochs=1", *SMALL, "--export_dir=", *flags],
-               cwd=tmp_path, timeout=360)
+ONE_EPOCH = ["--epochs=1", *SMALL, "--export_dir="]
 
 
 def test_timeline_flag_writes_every_step_of_each_worker(tmp_path):
+    """Own processes: each worker writes its timeline when its process exits."""
     from tfscale import timeline
 
     traces = tmp_path / "timeline"
-    process = train_one_epoch_on_2_workers(tmp_path, f"--timeline={traces}")
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
+                   "tfscale-train", *ONE_EPOCH, f"--timeline={traces}"],
+                  cwd=tmp_path, timeout=360)
     assert process.returncode == 0, process.stdout[-4000:]
     merged = json.loads(open(timeline.merge(str(traces))).read())
     steps = {(e["pid"], e["args"]["step"]) for e in merged["traceEvents"]
@@ -149,8 +149,8 @@ def test_tensorboard_scalars_per_step_on_the_chief(tmp_path):
     import tensorflow as tf
 
     board = tmp_path / "board"
-    process = train_one_epoch_on_2_workers(tmp_path, f"--tensorboard_dir={board}")
-    assert process.returncode == 0, process.stdout[-4000:]
+    process = multiworker.run_train(2, tmp_path, [*ONE_EPOCH, f"--tensorboard_dir={board}"])
+    assert process.returncode == 0, process.output[-4000:]
     tags, values = {}, {}
     for event_file in board.iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(event_file)):

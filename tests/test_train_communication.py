@@ -2,14 +2,13 @@
 2): they reach the Strategy and its gradient all-reduce plan, and training
 ends in a loadable export."""
 
-import pytest
 import re
-import subprocess
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from multiworker import worker_env
+import multiworker
 from tfscale import data
 
 pytestmark = pytest.mark.multiworker
@@ -22,13 +21,10 @@ FLAGS = ["--algorithm=2d", "--compression=bfloat16", "--local_size=2",
 def test_algorithm_compression_local_size_and_implementation_flags_reach_the_all_reduce(
         tmp_path):
     export_dir = tmp_path / "export"
-    process = subprocess.run(
-        ["tfscale-launch", "--num_workers=4", "--timeout=300", "--",
-         "tfscale-train", "--fc_units=32", "--global_batch_size=32",
-         "--steps_per_epoch=2", "--epochs=1", *FLAGS, f"--export_dir={export_dir}"],
-        cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=360)
-    output = process.stdout
+    process = multiworker.run_train(
+        4, tmp_path, ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=2",
+                      "--epochs=1", *FLAGS, f"--export_dir={export_dir}"])
+    output = process.output
     assert process.returncode == 0, output[-6000:]
     chief = [l for l in output.splitlines() if l.startswith("[worker 0]")]
 

@@ -1,18 +1,23 @@
 """Keras `fit` under `algorithm="auto"` (2 nodes of 2), against the ring.
 
-Six trainings of the same model from the same seed, one strategy each,
-built one after another as a user would: `ring`; the default algorithm
-(None: auto on these 2 nodes) with `autotune_dir` (trials, then the choice,
-stored by the chief); `algorithm="auto"` with the same directory, as a
-restarted job (the chief finds the choice: no trials); the default with
-PowerSGD; "auto" in a custom training loop; the default under a callback
-that wraps the train function on the chief only. The default's first training runs 3 steps per execution: 8
-executions (24 steps) try both fusion thresholds and decide, then Keras
-traces its train function again and the 9th runs the choice as a fixed
-plan. Reports each one's weights, its autotuner's state and what the chief
+One training of the same model from the same seed per scenario
+(`--scenario`):
+- `ring`: the ring, for reference;
+- `default`: the default algorithm (None: auto on these 2 nodes) with
+  `autotune_dir` (trials, then the choice, stored by the chief), 3 steps
+  per execution: 8 executions (24 steps) try both fusion thresholds and
+  decide, then Keras traces its train function again and the 9th runs the
+  choice as a fixed plan;
+- `restarted`: `algorithm="auto"` with the same directory, as a restarted
+  job (the chief finds the choice: no trials), backed up;
+- `default+powersgd`: the default with PowerSGD;
+- `custom_loop`: "auto" in a custom training loop;
+- `chief_wrapped`: the default under a callback that wraps the train
+  function on the chief only.
+Reports the training's weights, its autotuner's state and what the chief
 stored.
 
-Flags: --autotune_dir, --steps.
+Flags: --scenario, --autotune_dir, --steps.
 """
 
 import json
@@ -28,8 +33,12 @@ import tfscale
 from tfscale import checkpoint
 from tfscale.collectives import autotune
 from report import report
+from report import worker_index
 from sharded_data import round_robin
 
+SCENARIOS = ("ring", "default", "restarted", "default+powersgd", "custom_loop",
+             "chief_wrapped")
+flags.DEFINE_enum("scenario", None, SCENARIOS, "The training to run.")
 flags.DEFINE_string("autotune_dir", None, "Where the chief stores the choice.")
 flags.DEFINE_integer("steps", 27, "Training steps per training (the default's "
                      "first: its trials and decision, then its choice).")
@@ -122,36 +131,45 @@ def custom_loop(steps):
             "built_anew": built_anew, "algorithm": strategy.communication_algorithm}
 
 
-def main(argv):
-    results = {}
-    strategy, results["ring"] = train("ring")
-    # 3 steps per execution: the trials and the decision run inside Keras's
-    # loop (a tf.while_loop) too.
-    _, results["default"] = train(None, FLAGS.autotune_dir, steps_per_execution=3)
-    path = os.path.join(FLAGS.autotune_dir, autotune.FILE_NAME)
-    stored = None
-    if os.path.exists(path):
+def run(scenario):
+    """The training of `scenario`: (its result, what the chief stored)."""
+    if scenario == "ring":
+        return train("ring")[1], None
+    if scenario == "default":
+        # 3 steps per execution: the trials and the decision run inside
+        # Keras's loop (a tf.while_loop) too.
+        _, result = train(None, FLAGS.autotune_dir, steps_per_execution=3)
+        path = os.path.join(FLAGS.autotune_dir, autotune.FILE_NAME)
+        if not os.path.exists(path):
+            return result, None
         with open(path) as f:
-            stored = json.load(f)
-    # Backed up as a user would: its train function, built anew once the
-    # stored choice is agreed, goes under the callback's wrapper.
-    backup_dir = os.path.join(FLAGS.autotune_dir, "backup")
-    _, results["restarted"] = train("auto", FLAGS.autotune_dir, callbacks=[
-        tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=10,
-                                           delete_checkpoint=False)])
-    results["restarted"]["backup"] = checkpoint.state(backup_dir)
-    # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
-    # all-reduces are tuned too, each its own call site (a bucket per
-    # tensor, one threshold: 9 candidate trials and 2 of the mix, so 12
-    # compressed steps decide, at step 13), and traced again after them
-    # although the uncompressed steps' all-reduce never chose (its branch
-    # ran twice): the last 2 of 16 steps run the choice as a fixed plan.
-    _, results["default+powersgd"] = train(
-        None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2), steps=16,
-        fusion_bytes=0)
-    results["custom_loop"] = custom_loop(FLAGS.steps)
-    _, results["chief_wrapped"] = train(None, steps=25, callbacks=[WrapOnChief()])
-    report({"worker_index": strategy.worker_index, "results": results,
+            return result, json.load(f)
+    if scenario == "restarted":
+        # Backed up as a user would: its train function, built anew once the
+        # stored choice is agreed, goes under the callback's wrapper.
+        backup_dir = os.path.join(FLAGS.autotune_dir, "backup")
+        _, result = train("auto", FLAGS.autotune_dir, callbacks=[
+            tfscale.callbacks.BackupAndRestore(backup_dir, save_freq=10,
+                                               delete_checkpoint=False)])
+        result["backup"] = checkpoint.state(backup_dir)
+        return result, None
+    if scenario == "default+powersgd":
+        # PowerSGD (rank 1 compresses both kernels) from step 2: its factors'
+        # all-reduces are tuned too, each its own call site (a bucket per
+        # tensor, one threshold: 9 candidate trials and 2 of the mix, so 12
+        # compressed steps decide, at step 13), and traced again after them
+        # although the uncompressed steps' all-reduce never chose (its branch
+        # ran twice): the last 2 of 16 steps run the choice as a fixed plan.
+        return train(None, powersgd=tfscale.PowerSGDOptions(rank=1, start_step=2),
+                     steps=16, fusion_bytes=0)[1], None
+    if scenario == "custom_loop":
+        return custom_loop(FLAGS.steps), None
+    return train(None, steps=25, callbacks=[WrapOnChief()])[1], None
+
+
+def main(argv):
+    result, stored = run(FLAGS.scenario)
+    report({"worker_index": worker_index(), "result": result,
             "stored": stored})
 
 

@@ -1,0 +1,148 @@
+"""Reused worker processes for the multi-worker tests.
+
+A `WorkerPool` of N is N Python processes (tests/pool_worker.py) on
+127.0.0.1, each with its TF_CONFIG, started once and kept: every scenario
+(a script of tests/workers/) runs in all N, which build their own strategy,
+data and model and talk through TensorFlow's runtime as any tfscale job does.
+What a scenario saves is the start-up: interpreters, TensorFlow's import,
+the cluster's first connection. TensorFlow's distribute tests do the same
+(`MultiProcessPoolRunner`, tensorflow/python/distribute/multi_process_runner.py).
+
+A scenario that fails, hangs past its timeout or leaves state behind ends
+its pool: the test sees every worker's output, and the next scenario of that
+size starts a new pool.
+"""
+
+import itertools
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Pools kept at once; a size asked for beyond that ends the least recently
+# used one (each worker holds TensorFlow: 0.5-1 GB).
+MAX_POOLS = 3
+
+_pools = {}  # num_workers -> WorkerPool, least recently used first
+_scenario_ids = itertools.count()
+
+
+class WorkerPool:
+    """N reused worker processes forming one cluster."""
+
+    def __init__(self, num_workers, env):
+        from multiworker import cluster_tf_configs
+
+        self.num_workers = num_workers
+        self.directory = tempfile.mkdtemp(prefix=f"tfscale-pool-{num_workers}-")
+        self.processes, self.logs, self._status = [], [], []
+        configs = cluster_tf_configs([("worker", i) for i in range(num_workers)])
+        for index, config in enumerate(configs):
+            read, write = os.pipe()
+            log_path = os.path.join(self.directory, f"worker-{index}.log")
+            with open(log_path, "wb") as log:
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "pool_worker.py"), str(write)],
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                    pass_fds=(write,), start_new_session=True, cwd=self.directory,
+                    env=dict(env, TF_CONFIG=config, TFSCALE_SLOT=str(index),
+                             TFSCALE_RESTART_COUNT="0")))
+            os.close(write)
+            self.logs.append(log_path)
+            self._status.append(os.fdopen(read, "r"))
+
+    def alive(self):
+        return all(p.poll() is None for p in self.processes)
+
+    def run(self, target, args, cwd, env, timeout):
+        """Runs `target` (`{"script": path}` or `{"module": name}`) with
+        `args` on every worker.
+
+        Returns (exit codes, output, why): an exit code is None where the
+        worker had not finished when the pool stopped waiting; `why` says
+        why it stopped (None when every worker finished). When any worker
+        failed, died or time ran out, the pool is closed: a peer of a failed
+        worker may wait in a collective for ever.
+        """
+        scenario = next(_scenario_ids)
+        offsets = [os.path.getsize(path) for path in self.logs]
+        request = json.dumps({"id": scenario, **target, "args": list(args),
+                              "env": env, "cwd": str(cwd)}) + "\n"
+        for process in self.processes:
+            process.stdin.write(request.encode())
+            process.stdin.flush()
+        codes, why = self._wait(scenario, time.monotonic() + timeout, timeout)
+        output = self._output(offsets)
+        if why is not None:
+            self.close()
+        return codes, output, why
+
+    def _wait(self, scenario, deadline, timeout):
+        codes = [None] * self.num_workers
+        waiting = {pipe: index for index, pipe in enumerate(self._status)}
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return codes, f"workers {sorted(waiting.values())} did not finish within {timeout} s"
+            for pipe in ready:
+                index = waiting.pop(pipe)
+                line = pipe.readline()
+                if not line:
+                    return codes, f"worker {index} died (exit status {self.processes[index].wait()})"
+                status = json.loads(line)
+                assert status["id"] == scenario, (status, scenario)
+                codes[index] = status["exit"]
+                if codes[index] != 0:  # the others may wait for it for ever
+                    return codes, f"worker {index} failed (exit status {codes[index]})"
+        return codes, None
+
+    def _output(self, offsets):
+        """Each worker's output since `offsets`, its lines prefixed with the
+        worker's index as tfscale-launch prefixes them."""
+        lines = []
+        for index, (path, offset) in enumerate(zip(self.logs, offsets, strict=True)):
+            with open(path, "rb") as log:
+                log.seek(offset)
+                text = log.read().decode(errors="replace")
+            lines += [f"[worker {index}] {line}" for line in text.splitlines()]
+        return "\n".join(lines) + "\n"
+
+    def close(self):
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        for process in self.processes:
+            process.wait()
+            process.stdin.close()
+        for pipe in self._status:
+            pipe.close()
+        shutil.rmtree(self.directory, ignore_errors=True)  # the tests have the output
+        if _pools.get(self.num_workers) is self:
+            del _pools[self.num_workers]
+
+
+def pool(num_workers, env):
+    """The live pool of `num_workers`, started if there is none."""
+    existing = _pools.pop(num_workers, None)
+    if existing is not None and not existing.alive():
+        existing.close()
+        existing = None
+    if existing is None:
+        while len(_pools) >= MAX_POOLS:
+            _pools[next(iter(_pools))].close()
+        existing = WorkerPool(num_workers, env)
+    _pools[num_workers] = existing  # now the most recently used
+    return existing
+
+
+def close_all():
+    for worker_pool in list(_pools.values()):
+        worker_pool.close()

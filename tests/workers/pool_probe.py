@@ -1,0 +1,53 @@
+"""What tests/test_worker_pool.py runs in reused workers.
+
+Usage: pool_probe.py MODE [--probe=VALUE]
+- `state`: reports what a script sees of the process: pid, Keras's dtype
+  policy and floatx, POOL_PROBE in the environment, the working directory,
+  --probe, absl's verbosity.
+- `dirty`: changes all of those, then reports them.
+- `fail`: worker 1 raises; the others wait for it in an all-reduce.
+- `determinism`: turns op determinism on.
+"""
+
+import os
+
+import keras
+import tensorflow as tf
+from absl import app
+from absl import flags
+from absl import logging
+
+import tfscale
+from report import report
+from report import worker_index
+
+flags.DEFINE_string("probe", "default", "A flag of this script.")
+FLAGS = flags.FLAGS
+
+
+def state():
+    return {"pid": os.getpid(), "policy": keras.mixed_precision.global_policy().name,
+            "floatx": keras.config.floatx(), "env": os.environ.get("POOL_PROBE"),
+            "cwd": os.getcwd(), "probe": FLAGS.probe, "verbosity": logging.get_verbosity()}
+
+
+def main(argv):
+    mode = argv[1]
+    if mode == "dirty":
+        keras.config.set_floatx("float64")
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        os.environ["POOL_PROBE"] = "dirty"
+        os.chdir("/")
+        logging.set_verbosity(logging.ERROR)
+    elif mode == "fail":
+        strategy = tfscale.Strategy()
+        if worker_index() == 1:
+            raise RuntimeError("pool probe: worker 1 fails on purpose")
+        strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+    elif mode == "determinism":
+        tf.config.experimental.enable_op_determinism()
+    report(state())
+
+
+if __name__ == "__main__":
+    app.run(main)
