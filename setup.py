@@ -1,10 +1,25 @@
 """tfscale: large-batch multi-worker training for TensorFlow/Keras (Jia et al. 2018)."""
 
+import os
+
 import setuptools
+
+# The version and the tested TensorFlow and Keras releases, read without
+# importing tfscale (tfscale/_version.py imports nothing).
+_VERSION = {}
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tfscale",
+                       "_version.py"), encoding="utf-8") as f:
+    exec(f.read(), _VERSION)
+_TENSORFLOW = _VERSION["requirement"](_VERSION["TENSORFLOW_MINORS"])  # >=2.20,<2.22
+_KERAS = _VERSION["requirement"](_VERSION["KERAS_MINORS"])  # >=3.10,<3.16
+_PLOTS = ["matplotlib"]
+# ImageNet (tfscale.imagenet_source); tensorflow-datasets needs
+# importlib_resources and does not bring it.
+_IMAGENET = ["tensorflow-datasets>=4.9,<5", "importlib_resources"]
 
 setuptools.setup(
     name="tfscale",
-    version="0.1.0",
+    version=_VERSION["__version__"],
     description=(
         "Large-batch, multi-worker Keras training: a working multi-worker "
         "model.fit, fused and hierarchical all-reduce, LARS under mixed precision."
@@ -20,23 +35,31 @@ setuptools.setup(
     packages=(setuptools.find_packages(include=["tfscale", "tfscale.*"])
               + ["tfscale.models", "tfscale.launch", "tfscale.launch.bench"]),
     package_dir={"tfscale.models": "models", "tfscale.launch": "launch"},
-    # Pinned to what the tests run against: tfscale relies on private
-    # TensorFlow/Keras hooks (tfscale/_private/) that move between releases.
-    # GPU users: install the `tensorflow` build of the same version instead of
-    # `tensorflow-cpu` (see docs/gpus.md).
+    # No TensorFlow here: tensorflow, tensorflow-cpu and tensorflow[and-cuda]
+    # all provide `tensorflow`, and pip cannot say "one of them"
+    # (tensorflow/tensorflow#7166, #48165); a second one beside the user's
+    # overwrites its files. The extras name the build, as tensorflow-addons
+    # and Horovod did; without any, tfscale.Strategy() and tfscale-train say
+    # what to install. Ranges, not pins: tfscale relies on private
+    # TensorFlow/Keras hooks (tfscale/_private/), checked at Strategy() and
+    # tested on these releases (tfscale/_version.py).
     install_requires=[
-        "tensorflow-cpu==2.21.*",
-        "keras==3.15.*",
-        "tensorflow-datasets==4.9.*",
-        "importlib_resources",  # needed by tensorflow-datasets, not pulled in by it
+        f"keras{_KERAS}",
         "absl-py",
-        "tensorboard",  # tf.summary's writer; tensorflow-cpu does not bring it
-        "scikit-learn",
-        "scipy",  # cost_model.fit's least squares (imported directly)
         "numpy",
-        "matplotlib",  # launch/studies/large_batch/plot.py
+        "scikit-learn",  # the digits (tfscale.data); brings scipy (cost_model.fit)
+        "tensorboard",  # tf.summary's writer; tensorflow-cpu 2.21 does not bring it
     ],
-    extras_require={"test": ["pytest", "pyyaml"]},  # pyyaml: tests/test_deploy.py
+    extras_require={
+        "cpu": [f"tensorflow-cpu{_TENSORFLOW}"],
+        "gpu": [f"tensorflow[and-cuda]{_TENSORFLOW}"],
+        "tensorflow": [f"tensorflow{_TENSORFLOW}"],
+        "plots": _PLOTS,  # tfscale-bench --plot, timeline plots, studies
+        "imagenet": _IMAGENET,
+        # pyyaml: tests/test_deploy.py; the suite also tests the plots and
+        # ImageNet's reader.
+        "test": ["pytest", "pyyaml", *_PLOTS, *_IMAGENET],
+    },
     entry_points={
         "console_scripts": [
             "tfscale-train=tfscale.launch.train:run",

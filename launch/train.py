@@ -17,6 +17,7 @@ import sys
 
 from absl import app
 
+from tfscale import _requirements
 from tfscale import dataset_specs
 from tfscale.launch import preflight
 from tfscale.launch import train_flags
@@ -79,6 +80,8 @@ def main(argv):
     config = train_flags.Config.from_flags()
     try:
         validate_flags(config)
+        if _requirements.tensorflow_missing():
+            sys.exit(f"tfscale-train: {_requirements.tensorflow_missing()}")
         # TensorFlow is imported here, after the checks that need none of it.
         from tfscale.launch import training
 

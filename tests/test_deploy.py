@@ -87,12 +87,6 @@ def tiny(args, shared, extra=()):
     return result + list(extra)
 
 
-def setup_pin():
-    """The version spec of tensorflow-cpu in setup.py, e.g. "2.21.*"."""
-    with open(os.path.join(REPO_ROOT, "setup.py")) as f:
-        return re.search(r'"tensorflow-cpu==([^"]+)"', f.read()).group(1)
-
-
 # --- Dockerfile ---------------------------------------------------------------
 
 def dockerfile_instructions():
@@ -102,16 +96,14 @@ def dockerfile_instructions():
     return [tuple(l.split(None, 1)) for l in lines if l and not l.startswith("#")]
 
 
-def test_dockerfile_installs_the_pinned_gpu_build_after_removing_the_cpu_build():
+def test_dockerfile_installs_tfscale_with_the_gpu_build_in_one_pip_install():
     steps = dockerfile_instructions()
     runs = " && ".join(args for op, args in steps if op == "RUN")
     commands = [" ".join(c.split()) for c in runs.split("&&")]
-    pin = setup_pin()
-    install_tfscale = commands.index("pip install --no-cache-dir .")
-    remove_cpu = commands.index("pip uninstall --yes tensorflow-cpu")
-    install_gpu = commands.index(
-        f'pip install --no-cache-dir "tensorflow[and-cuda]=={pin}"')
-    assert install_tfscale < remove_cpu < install_gpu, commands
+    pips = [c for c in commands if c.startswith("pip ")]
+    assert pips == ['pip install --no-cache-dir ".[gpu]"'], pips
+    with open(os.path.join(REPO_ROOT, "setup.py")) as f:
+        assert '"gpu": [f"tensorflow[and-cuda]{_TENSORFLOW}"]' in f.read()
     # What the image copies exists, and is all `pip install .` needs.
     for op, args in steps:
         if op == "COPY":

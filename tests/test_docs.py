@@ -469,7 +469,7 @@ def test_readme_keeps_what_ci_runs():
     bash = ["\n".join(b.lines) for b in page.blocks if b.language == "bash"]
     python = ["\n".join(b.lines) for b in page.blocks if b.language == "python"]
     assert bash[:2] == [
-        'pip install -e ".[test]" && tfscale-launch --num_workers=2 -- tfscale-train',
+        'pip install -e ".[cpu,test]" && tfscale-launch --num_workers=2 -- tfscale-train',
         "python -m pytest tests -q -rs",
     ], f"README.md's first two ```bash blocks changed: {bash[:2]}"
     assert python and 'tf.saved_model.load("tfscale_export")' in python[0], (

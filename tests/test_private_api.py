@@ -21,6 +21,8 @@ import os
 import re
 import tokenize
 
+import pytest
+
 from multiworker import REPO_ROOT
 
 FOLDERS = ("tfscale", "launch", "models", "tests")
@@ -132,3 +134,137 @@ def test_no_private_tensorflow_or_keras_access_outside_the_private_layer():
         hits += [f"{relative}:{line}: {what}" for line, what in hits_in(relative, source)]
     assert not hits, ("private attributes outside tfscale/_private/ (move the "
                       "access there behind a public accessor):\n" + "\n".join(hits))
+
+
+# At Strategy(): every private hook where tfscale expects it (tfscale._private.hooks).
+
+def _hook_check():
+    """(hooks, tensorflow, keras, the tested versions in words); imported
+    here, so that the reach-in checks above run without TensorFlow."""
+    import keras
+    import tensorflow as tf
+
+    from tfscale import _version
+    from tfscale._private import hooks
+
+    return hooks, tf, keras, _version.tested()
+
+
+def _refusal(problem):
+    _, tf, keras, tested = _hook_check()
+    return re.escape(
+        f"tfscale cannot run on TensorFlow {tf.__version__} and Keras "
+        f"{keras.__version__}: it relies on private parts of them that moved: "
+        f"{problem}. tfscale is tested with {tested}: install those.")
+
+
+def test_every_hook_is_where_tfscale_expects_it_on_the_installed_versions():
+    hooks, _, _, _ = _hook_check()
+    assert [hooks.problem(hook) for hook in hooks.HOOKS] == [None] * len(hooks.HOOKS)
+
+
+def test_the_hooks_are_the_private_names_the_private_layer_uses():
+    """Each `obj._name` the private layer uses (methods, attributes, Keras's
+    variable-path convention) is a hook or set by one: a new private use
+    without its hook fails here."""
+    hooks, _, _, _ = _hook_check()
+    checked = set()
+    for hook in hooks.HOOKS:
+        checked |= {hook.name.split(".")[-1], *hook.uses}
+    used = set()
+    for name in os.listdir(os.path.join(REPO_ROOT, ALLOWED_FOLDER)):
+        if name.endswith(".py") and name != "hooks.py":
+            with open(os.path.join(REPO_ROOT, ALLOWED_FOLDER, name)) as f:
+                for _, what in hits_in(ALLOWED_FOLDER + name, f.read()):
+                    if what.startswith("Keras path convention"):
+                        used.add(what.split("'")[1])
+                    elif "(in a string)" not in what:  # docstrings name them too
+                        used.add(what.split(".")[-1].split()[-1])
+    assert used and used - checked == set(), sorted(used - checked)
+
+
+def test_a_keras_function_gone_is_refused_naming_it(monkeypatch):
+    hooks, _, _, tested = _hook_check()
+    from keras.src.losses import loss
+
+    monkeypatch.delattr(loss, "scale_loss_for_distribution")
+    with pytest.raises(RuntimeError, match=_refusal(
+            "keras.src.losses.loss.scale_loss_for_distribution is gone")):
+        hooks.check(lambda *versions: True, tested)
+
+
+def test_a_changed_signature_is_refused_naming_each_function(monkeypatch):
+    hooks, _, _, tested = _hook_check()
+    from keras.src.backend.tensorflow import optimizer
+    from tensorflow.python.ops import collective_ops
+
+    monkeypatch.setattr(optimizer.TFOptimizer, "_clip_gradients",
+                        lambda self, grads, clipnorm: grads)
+
+    def all_gather_v2(t, group_size, group_key, instance_key,
+                      communication_hint="auto", timeout=0, name=None):
+        return t
+
+    monkeypatch.setattr(collective_ops, "all_gather_v2", all_gather_v2)
+    with pytest.raises(RuntimeError, match=_refusal(
+            "keras.src.backend.tensorflow.optimizer.TFOptimizer._clip_gradients "
+            "takes (self, grads, clipnorm), not the tested (self, grads); "
+            "tensorflow.python.ops.collective_ops.all_gather_v2 takes (t, "
+            "group_size, group_key, instance_key, communication_hint, timeout, "
+            "name), not the tested (t, group_size, group_key, instance_key, "
+            "communication_hint, timeout, ordering_token, name)")):
+        hooks.check(lambda *versions: True, tested)
+
+
+def test_a_function_keras_no_longer_defines_or_an_attribute_no_longer_set_is_refused(
+        monkeypatch):
+    hooks, _, _, tested = _hook_check()
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.optimizers import base_optimizer
+
+    def _make_function(self, step_function):
+        def step(iterator):  # Keras's `function`, renamed
+            return step_function(iterator)
+        return step
+
+    def build(self, variables):  # keeps no `_accumulated_gradients`
+        self.built = True
+
+    monkeypatch.setattr(trainer.TensorFlowTrainer, "_make_function", _make_function)
+    monkeypatch.setattr(base_optimizer.BaseOptimizer, "build", build)
+    with pytest.raises(RuntimeError, match=_refusal(
+            "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._make_function "
+            "no longer defines function(); keras.src.optimizers.base_optimizer."
+            "BaseOptimizer.build no longer uses _accumulated_gradients")):
+        hooks.check(lambda *versions: True, tested)
+
+
+def test_strategy_refuses_before_it_builds_anything(monkeypatch):
+    _hook_check()
+    import tfscale
+    from keras.src.trainers import trainer
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setattr(trainer, "LossScaleOptimizer", object)
+    with pytest.raises(RuntimeError, match=_refusal(
+            "keras.src.trainers.trainer.LossScaleOptimizer is no longer "
+            "keras.optimizers.LossScaleOptimizer")):
+        tfscale.Strategy()
+
+
+def test_an_untested_version_whose_hooks_all_fit_warns_once_in_one_line(monkeypatch):
+    hooks, tf, keras, tested = _hook_check()
+    from tfscale import _version
+
+    warnings = []
+    monkeypatch.setattr(hooks.logging, "warning",
+                        lambda message, *args: warnings.append(message % args))
+    hooks.check(_version.is_tested, tested)
+    assert warnings == []  # the installed versions are tested ones
+    monkeypatch.setattr(tf, "__version__", "2.99.0")
+    for _ in range(3):
+        hooks.check(_version.is_tested, tested)
+    assert warnings == [
+        "tfscale is tested with TensorFlow 2.20 to 2.21 and Keras 3.10 to 3.15, "
+        f"not TensorFlow 2.99.0 and Keras {keras.__version__}; every private "
+        "TensorFlow/Keras hook it relies on is in place."]

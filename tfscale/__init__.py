@@ -16,7 +16,8 @@ after `from tfscale import optimizers`).
 
 import importlib
 
-__version__ = "0.1.0"
+from tfscale import _requirements
+from tfscale._version import __version__
 
 # Public name -> the module that defines it (a submodule: itself).
 _NAMES = {
@@ -39,7 +40,11 @@ __all__ = sorted(_NAMES)
 
 def _load_all():
     """Imports every public name into this module (what an eager
-    `__init__` would have done)."""
+    `__init__` would have done). Without TensorFlow: one line naming what
+    to install."""
+    missing = _requirements.tensorflow_missing()
+    if missing:
+        raise ModuleNotFoundError(missing, name="tensorflow")
     for name, module_name in _NAMES.items():
         module = importlib.import_module(module_name)
         globals()[name] = module if module_name == f"tfscale.{name}" else getattr(

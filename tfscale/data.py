@@ -23,6 +23,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tfscale import _requirements
 # Public here as well.
 from tfscale.dataset_specs import SPECS
 from tfscale.dataset_specs import DatasetSpec
@@ -300,8 +301,7 @@ def check_imagenet_source(data_dir=None, manual_dir=None):
     """
     from tfscale import imagenet_source
 
-    import tensorflow_datasets as tfds
-
+    tfds = _requirements.import_extra("tensorflow_datasets", "imagenet", "ImageNet")
     builder = tfds.builder(imagenet_source.NAME, data_dir=data_dir)
     if tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json")):
         return

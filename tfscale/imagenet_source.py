@@ -33,6 +33,8 @@ import time
 from absl import logging
 import numpy as np
 
+from tfscale import _requirements
+
 NAME = "imagenet2012"
 SPLITS = ("train", "validation")
 ARCHIVES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
@@ -41,9 +43,13 @@ LOG_SECONDS = 60
 
 
 def _builder(data_dir):
-    import tensorflow_datasets as tfds  # slow import, only when used
+    return _tfds().builder(NAME, data_dir=data_dir)
 
-    return tfds.builder(NAME, data_dir=data_dir)
+
+def _tfds():
+    """tensorflow_datasets (a slow import, only when used; the [imagenet]
+    extra)."""
+    return _requirements.import_extra("tensorflow_datasets", "imagenet", "ImageNet")
 
 
 def _index_path(version_dir, split):
@@ -87,8 +93,7 @@ def prepare(data_dir=None, manual_dir=None):
     Raises:
         FileNotFoundError: naming the archives missing from `manual_dir`.
     """
-    import tensorflow_datasets as tfds
-
+    tfds = _tfds()
     builder = _builder(data_dir)
     version_dir = builder.data_dir
     if not os.path.exists(os.path.join(version_dir, "dataset_info.json")):

@@ -28,8 +28,9 @@ from absl import logging
 import keras
 import tensorflow as tf
 
-from tfscale import _private
+from tfscale import _version
 from tfscale._private import accessors
+from tfscale._private import hooks
 from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
 from tfscale import collectives
@@ -93,7 +94,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
                  heartbeat_timeout_seconds=startup.DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
         _check_startup_timeout(startup_timeout_seconds)
         _check_heartbeat_timeout(heartbeat_timeout_seconds)
-        _private.check_versions()
+        # Every private TensorFlow/Keras hook in place, before anything runs.
+        hooks.check(_version.is_tested, _version.tested())
         if evaluator.is_evaluator_task(cluster_resolver):
             raise ValueError(
                 "This process is an `evaluator` task of its cluster, which "

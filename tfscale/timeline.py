@@ -34,6 +34,7 @@ import os
 import sys
 
 from tfscale import _atomic
+from tfscale import _requirements
 
 FILE_PATTERN = "worker-*.json"
 MERGED = "timeline.json"
@@ -261,7 +262,7 @@ def plot(path, step, output):
     """Draws `step` of every worker of the merged trace at `path` to the
     PNG `output`: a row per worker and lane, a bucket's collectives as thin
     bars along the bottom of its row, time from the step's first stamp."""
-    import matplotlib
+    matplotlib = _requirements.import_extra("matplotlib", "plots", "The timeline's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,7 +1,8 @@
 """PNG plots of tfscale-bench results (matplotlib, no display needed)."""
 
-import matplotlib
+from tfscale import _requirements
 
+matplotlib = _requirements.import_extra("matplotlib", "plots", "tfscale-bench --plot")
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing the backend)
 

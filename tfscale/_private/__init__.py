@@ -1,18 +1,22 @@
 """Every private TensorFlow/Keras API that tfscale uses, and nothing else.
 
 The bottom layer of tfscale: it imports nothing of tfscale; what it needs
-(key ranges, reducers, predicates) is passed in. Four modules:
+(key ranges, reducers, predicates) is passed in. Four modules use them:
 `tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
 `keras_hooks` (Keras's methods routed), `accessors` (state with no public
 accessor), `graph_order` (where `tf.function` places timestamps and
-bookkeeping ops).
+bookkeeping ops). A fifth, `hooks`, checks that each of their private uses
+is where they expect it.
 
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
 needs both. Those uses are confined to this module so that a TensorFlow or
 Keras upgrade has one place to check; tests/test_private_api.py fails if any
 other module touches a private attribute. Each use, what it is for, and the
-test that fails loudly when it stops working (versions pinned in setup.py):
+test that fails loudly when it stops working on the tested versions
+(tfscale/_version.py). At `tfscale.Strategy()`, `hooks.check` refuses to go
+on where one of them is gone or its signature changed, naming it, and warns
+once on an untested version where all of them fit:
 
 - `CollectiveAllReduce._all_reduce` (overridden by
   `TfscaleCollectiveAllReduce`) and `strategy.extended._cross_device_ops`:
@@ -155,23 +159,3 @@ test that fails loudly when it stops working (versions pinned in setup.py):
   `tf.timestamp`, so compiled steps go untimed.
   tests/test_fit_hooks.py, test_in_xla_context_sees_jit_compile.
 """
-
-import keras
-import tensorflow as tf
-from absl import logging
-
-TESTED_VERSIONS = {"tensorflow": "2.21.", "keras": "3.15."}
-
-def check_versions():
-    """Warns when TensorFlow or Keras differ from the tested versions."""
-    found = {"tensorflow": tf.__version__, "keras": keras.__version__}
-    for package, prefix in TESTED_VERSIONS.items():
-        if not found[package].startswith(prefix):
-            logging.warning(
-                "tfscale was tested with %s %sx and uses its private APIs; "
-                "found %s. Install the pinned versions (pip install tfscale "
-                "resolves them) if multi-worker training misbehaves.",
-                package,
-                prefix,
-                found[package],
-            )

@@ -25,8 +25,8 @@ def unorder_timestamps():
     if not isinstance(getattr(auto_control_deps, "ASYNC_STATEFUL_OPS", None), frozenset):
         raise RuntimeError(
             "tensorflow.python.framework.auto_control_deps.ASYNC_STATEFUL_OPS is "
-            "gone: this TensorFlow is not the tested one (tfscale._private."
-            "TESTED_VERSIONS); the timeline cannot place its stamps.")
+            "gone: this TensorFlow is not a tested one (tfscale/_version.py); "
+            "the timeline cannot place its stamps.")
     if _TIMESTAMP not in auto_control_deps.ASYNC_STATEFUL_OPS:
         auto_control_deps.ASYNC_STATEFUL_OPS = (
             auto_control_deps.ASYNC_STATEFUL_OPS | {_TIMESTAMP})

@@ -9,7 +9,6 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
 from keras.src.trainers import trainer as keras_trainer
 
-from tfscale._private import TESTED_VERSIONS
 
 class CompileLossScaleOptimizer:
     """Stands in for `LossScaleOptimizer` where `Model.compile` looks it up.
@@ -77,9 +76,9 @@ def route_compile_loss_scaling(choose):
             "tfscale cannot make Model.compile wrap its optimizer in "
             "tfscale.optimizers.LossScaleOptimizer under mixed_float16: Keras "
             f"{keras.__version__} no longer has `LossScaleOptimizer` in "
-            "keras.src.trainers.trainer (tested with Keras "
-            f"{TESTED_VERSIONS['keras']}x), and Keras's own one deadlocks "
-            "when one worker overflows. Install the pinned Keras, or pass "
+            "keras.src.trainers.trainer (tfscale.Strategy() names the tested "
+            "Keras versions), and Keras's own one deadlocks "
+            "when one worker overflows. Install a tested Keras, or pass "
             "optimizer=tfscale.optimizers.LossScaleOptimizer(your_optimizer) "
             f"to compile yourself. Found: {current!r}")
         if keras.mixed_precision.global_policy().name == "mixed_float16":
