@@ -8,9 +8,9 @@ processes per node "to avoid your system being overloaded"
 (torch/distributed/run.py); tfscale-launch gives each worker
 `cores // workers` threads, at least one, unless the launcher's environment
 sets TF_NUM_INTRAOP_THREADS. Measured in synchronous training, 4 workers on
-2 cores: steps 0.86-0.96 x as long as with TensorFlow's default pools
-(BENCHMARKS.md section 5, "One intra-op thread per worker" and "What
-synchronizing every step costs").
+2 cores: steps shorter than with TensorFlow's default pools (BENCHMARKS.md,
+sections "One intra-op thread per worker" and "What synchronizing every step
+costs").
 """
 
 import os

@@ -83,8 +83,8 @@ def test_the_cluster_is_described_with_its_nodes_and_link():
 
 def test_the_train_header_gives_the_gradients_and_their_link_bound():
     from tfscale.launch.bench import train
-    # AlexNet-BN at 224 x 224 on 2 nodes joined by 200 Mbit/s (BENCHMARKS.md
-    # section 4 once took it for the 227 x 227 model's 249.5 MB).
+    # AlexNet-BN at 224 x 224 on 2 nodes joined by 200 Mbit/s (not the
+    # 227 x 227 model, whose gradients are 249.5 MB).
     line = train.gradients_line(50_845_896, {"node_sizes": [2, 2], "link_rate": 25e6})
     assert line == ("# gradients: 50,845,896 trainable parameters = 203.4 MB in float32 "
                     "(MB = 1e6 bytes) per step; link bound 8135 ms per step with float32 "

@@ -131,8 +131,9 @@ def test_hybrid_without_a_threshold_takes_the_fastest_prediction_of_ring_and_hie
     # The model once fitted on the emulated 2 x 2 cluster (tests/data): the ring
     # wins the smallest buffers, halving-doubling the middle by its
     # prediction, hierarchical the largest. Halving-doubling is not among
-    # hybrid's choices (measured slowest on small buffers, BENCHMARKS.md
-    # section 11): the middle goes to the faster of the other two.
+    # hybrid's choices (measured slowest on small buffers: BENCHMARKS.md,
+    # section "The fixed cost of one collective"): the middle goes to the
+    # faster of the other two.
     with open(os.path.join(REPO_ROOT, "tests", "data", "cost_model_fit_emulated_2x2.json")) as f:
         fitted = cost_model.CostModel.from_config(json.load(f)["cost_model"])
     even = cost_model.CostModel(intra=cost_model.Link(1e-4, 1e-9),

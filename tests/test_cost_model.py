@@ -119,7 +119,8 @@ def test_fit_recovers_the_parameters_that_made_the_measurements(op_seconds):
 def test_the_fixed_cost_of_an_op_makes_the_ring_win_small_buffers():
     # With links alone, hierarchical's short steps win a 4-byte buffer on
     # 2 nodes of 4; its three ops (the ring has one) lose it once each op
-    # costs what TensorFlow's do (BENCHMARKS.md section 11).
+    # costs what TensorFlow's do (BENCHMARKS.md, section "The fixed cost of
+    # one collective").
     links_only = CostModel(cost_model.DEFAULT.intra, cost_model.DEFAULT.inter)
     assert links_only.predict("hierarchical", 4, (4, 4)) < links_only.predict("ring", 4, (4, 4))
     with_ops = cost_model.DEFAULT

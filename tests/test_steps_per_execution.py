@@ -1,4 +1,4 @@
-"""Keras's `steps_per_execution` with real workers (issue 11, point 3).
+"""Keras's `steps_per_execution` with real workers.
 
 Keras runs `steps_per_execution > 1` steps in a `tf.while_loop`; stock
 MultiWorkerMirroredStrategy fails there with 2+ workers (`You must feed a

@@ -18,8 +18,8 @@ from tfscale import uneven_data
 
 # Every scenario on 3 workers; on 7, the half where workers run out of
 # examples (the suite's time: 7 processes on 2 cores take 20 s a scenario).
-# Both counts are odd and share a batch of 32 unevenly; 5 workers added
-# nothing these two do not test (the suite ran them until 2026-11-28).
+# Both counts are odd and share a batch of 32 unevenly; 5 workers would add
+# nothing these two do not test.
 SCENARIOS = {
     3: ("batch_32", "batch_33_partial", "empty_tail", "custom_loop", "ran_out",
         "custom_loop_empty_tail"),

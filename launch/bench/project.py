@@ -13,7 +13,8 @@ by tfscale's own `collectives.plan` (fusion in backward order, the hybrid
 threshold and chunk counts from the cost model) over the model's real
 gradient shapes, and each bucket's time predicted by the cost model, which
 counts each collective op's fixed cost (NCCL's small-message all-reduce
-time, cited; what section 11 of BENCHMARKS.md measures for TensorFlow's op
+time, cited; what BENCHMARKS.md's section "The fixed cost of one
+collective" measures for TensorFlow's op
 on CPU can be put in its place with --op_seconds). Compute
 and communication are assumed not to overlap (a conservative bound on the
 step time), so scaling efficiency e = t_compute / (t_compute + t_allreduce).

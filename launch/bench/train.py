@@ -150,7 +150,8 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
             row[key.replace("_seconds", "_vs_stock")] = (
                 value / base if base and value is not None else None)
     # Steadier than e vs compute, whose baseline (workers unsynchronized on
-    # shared cores) moves between launches (BENCHMARKS.md section 5).
+    # shared cores) moves between launches (BENCHMARKS.md, section "PowerSGD
+    # in training").
     lockstep = {r["precision"]: r["step_seconds"] for r in rows
                 if r["config"] == cluster.LOCKSTEP}
     for row in rows:

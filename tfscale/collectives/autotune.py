@@ -11,16 +11,19 @@ candidate algorithm in turn on its real data, and keeps the fastest.
 - Fusion thresholds (`fusion_thresholds`): the plan at the given
   `fusion_threshold_bytes` and at a quarter of it (8 and 32 MiB by
   default), where they cut the gradients differently. Smaller buffers
-  start sooner during backprop and cost more ops (BENCHMARKS.md sections
-  4 and 12: on the emulated 2 x 2 cluster ResNet-50's step was 0.90 x
-  under auto and 0.94 x under 2d with 8 MiB buffers); Horovod's autotuner
-  tunes its fusion threshold alike (docs/autotune.rst).
+  start sooner during backprop and cost more ops; which wins depends on
+  the model and the cluster (on the emulated 2 x 2 cluster 8 MiB buffers
+  shortened ResNet-50's step: BENCHMARKS.md, sections "Training
+  throughput, scaling efficiency and exposed communication" and
+  "`algorithm="auto"`: the job measures its own algorithm"); Horovod's
+  autotuner tunes its fusion threshold alike (docs/autotune.rst).
 - Candidates (`candidates`): the algorithms that differ on the topology,
   among ring, hierarchical and 2d (halving-doubling is left out: each of
   its steps is a TensorFlow op of its own, the slowest here;
-  BENCHMARKS.md section 11). One node, or one worker per node: only the
-  ring, and nothing to try. The cost model orders them (its fastest
-  prediction for the plan first) and breaks ties.
+  BENCHMARKS.md, section "The fixed cost of one collective"). One node,
+  or one worker per node: only the ring, and nothing to try. The cost
+  model orders them (its fastest prediction for the plan first) and
+  breaks ties.
 - Trials: with K thresholds and C candidates, step s < K * C * (ROUNDS + 1)
   of a call runs the plan of threshold s mod K, every bucket of it with
   candidate (s // K) mod C (the other thresholds' buckets skip); each
@@ -41,8 +44,9 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   were ready last: no algorithm can start before it, so its time is mostly
   the algorithm's own, where an earlier worker's also counts its wait for
   the others (the skew between workers, which differs from step to step:
-  with 4 workers on 2 cores hundreds of milliseconds, enough to keep a
-  candidate 10 x slower for a small bucket when the maximum was taken).
+  with 4 workers on 2 cores hundreds of milliseconds, enough to make a
+  candidate several times slower for a small bucket when the maximum was
+  taken).
   Per round, because the last worker differs between rounds. Where workers
   play different roles the minimum favours the light ones: a worker alone
   in its node skips hierarchical's broadcast inside a node, so on unequal
@@ -51,10 +55,10 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   that mix (each bucket its fastest) is a configuration no trial ran, and
   a bucket's time does not show how it overlaps backprop and the buckets
   around it, so the buckets' fastest together can be slower than one
-  candidate for all (BENCHMARKS.md section 12, ResNet-50 on the emulated
-  2 x 2 cluster with AVX-512, in one run with the buckets side by side:
-  8 MiB buckets mostly by hierarchical 5514 ms a step, all by hierarchical
-  5183 ms, all by 2d 5113 ms). So the next K * ROUNDS
+  candidate for all (measured so for ResNet-50 on the emulated 2 x 2
+  cluster with AVX-512, with the buckets side by side: BENCHMARKS.md,
+  section "`algorithm="auto"`: the job measures its own algorithm"). So
+  the next K * ROUNDS
   steps run the mix at each threshold in turn, its span timed as the
   candidates' were.
 - Decision, in the step after the mix's (after the trials where no bucket
@@ -92,8 +96,9 @@ every stateful op of the branch (`tf.function`'s automatic control
 dependencies make each branch's returns wait for all its collectives), so
 one bucket's next stage never overlaps the previous bucket's last, as a
 fixed plan's stages on different groups do. Kept in cases, the choice's
-step took 1.08 x (chained) to 1.11 x (side by side) the same plan fixed
-(ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md section 12). A
+step was measurably slower than the same plan fixed, chained or side by
+side (ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md, section
+"`algorithm="auto"`: the job measures its own algorithm"). A
 custom training loop that does not build its `tf.function` again keeps
 running the choice through the cases, correctly.
 """

@@ -15,7 +15,8 @@ between nodes. For a buffer of S bytes on m nodes of k workers (n = m k):
 (`_e` is `inter` when m > 1, else `intra`.) Each stage is one collective
 op, and each op also costs `op_seconds` whatever its size (halving_doubling:
 one op per pairwise step): with TensorFlow's collectives that fixed cost,
-not link latency, decides small buffers (BENCHMARKS.md section 11).
+not link latency, decides small buffers (BENCHMARKS.md, section "The
+fixed cost of one collective").
 For halving_doubling, p' is the
 largest power of two <= n and nodes are taken to hold consecutive ranks: a
 step whose pairs all stay inside nodes uses `intra`, one where c workers of a
@@ -234,10 +235,10 @@ class CostModel:
 # A starting point until `fit` has measurements of your cluster: TensorFlow's
 # gRPC collectives (about 100 us per message even on one host), memory-speed
 # copies inside a node and 10 Gbit/s Ethernet between nodes; and the fixed
-# cost of a collective op, measured: 1.04 ms per CollectiveReduceV2 of 4
-# bytes, ten chained in one function, on 2 workers over loopback with a core
-# each (`tfscale-bench fixedcost`, BENCHMARKS.md section 11; 2.4-2.9 ms with
-# 4 workers on 2 cores, 5.6-7.8 ms with 8).
+# cost of a collective op, about what `tfscale-bench fixedcost` measures per
+# CollectiveReduceV2 of 4 bytes, ten chained in one function, on 2 workers
+# over loopback with a core each (more when workers share cores: BENCHMARKS.md,
+# section "The fixed cost of one collective").
 DEFAULT = CostModel(
     intra=Link(alpha=100e-6, beta=1 / 4e9),
     inter=Link(alpha=150e-6, beta=1 / 1.25e9),

@@ -59,7 +59,8 @@ class PowerSGDOptions:
             per DDP bucket, `bucket_cap_mb`). `None` (default): one bucket,
             after the last gradient: where workers share CPU cores there is
             no idle core to overlap with; 32 MiB buckets measured within the
-            run-to-run spread of one bucket (BENCHMARKS.md section 5).
+            run-to-run spread of one bucket (BENCHMARKS.md, section
+            "PowerSGD in training").
     """
 
     rank: int = powersgd_lib.DEFAULT_RANK
@@ -122,7 +123,8 @@ class CommunicationOptions:
       and `"ring"` at or above it (Jia et al. 2018, 4.3); without a
       threshold, the faster of ring and hierarchical by `cost_model`'s
       prediction (halving_doubling, measured slower on this runtime, is
-      not among its choices: BENCHMARKS.md section 11).
+      not among its choices: BENCHMARKS.md, section "The fixed cost of
+      one collective").
     - `"auto"` (the default over TensorFlow's ring): per buffer, the
       fastest of ring, hierarchical and 2d as measured by the job itself:
       during the first steps each buffer runs each of them in turn on its

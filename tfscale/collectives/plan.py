@@ -27,7 +27,8 @@ ALGORITHMS = communication_names.ALGORITHMS
 # algorithm on paper: TensorFlow has no point-to-point op, so each of its
 # 2 log2(n) steps is a collective op of its own over a pair group, and each
 # op costs a fixed few milliseconds whatever its size, more than the one op
-# of a ring (`tfscale-bench fixedcost`, BENCHMARKS.md section 11). The
+# of a ring (`tfscale-bench fixedcost`; BENCHMARKS.md, section "The fixed
+# cost of one collective"). The
 # alpha-beta cost model, which counts link latency and not that cost,
 # predicts it fastest on small buffers, where it measured slowest.
 HYBRID_CANDIDATES = ("ring", "hierarchical")

@@ -90,7 +90,8 @@ class Watchdog:
         recorder = None if in_xla else self.recorder
         # The collective waits for its inputs only: the count and the row run
         # beside it, off its path (a few small ops cost milliseconds each on
-        # busy cores: BENCHMARKS.md section 11), and still run when it hangs.
+        # busy cores: BENCHMARKS.md, section "The fixed cost of one
+        # collective"), and still run when it hangs.
         with tf.control_dependencies(list(inputs)):
             if in_xla:
                 # XLA has no kernel for the fetch-and-add below.
