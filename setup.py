@@ -11,7 +11,7 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tfscale",
                        "_version.py"), encoding="utf-8") as f:
     exec(f.read(), _VERSION)
 _TENSORFLOW = _VERSION["requirement"](_VERSION["TENSORFLOW_MINORS"])  # >=2.20,<2.22
-_KERAS = _VERSION["requirement"](_VERSION["KERAS_MINORS"])  # >=3.10,<3.16
+_KERAS = _VERSION["requirement"](_VERSION["KERAS_MINORS"])  # >=3.13,<3.16
 _PLOTS = ["matplotlib"]
 # ImageNet (tfscale.imagenet_source); tensorflow-datasets needs
 # importlib_resources and does not bring it.

@@ -265,6 +265,6 @@ def test_an_untested_version_whose_hooks_all_fit_warns_once_in_one_line(monkeypa
     for _ in range(3):
         hooks.check(_version.is_tested, tested)
     assert warnings == [
-        "tfscale is tested with TensorFlow 2.20 to 2.21 and Keras 3.10 to 3.15, "
+        "tfscale is tested with TensorFlow 2.20 to 2.21 and Keras 3.13 to 3.15, "
         f"not TensorFlow 2.99.0 and Keras {keras.__version__}; every private "
         "TensorFlow/Keras hook it relies on is in place."]

@@ -9,10 +9,13 @@ __version__ = "0.1.0"
 
 # Tested minor releases, first and last (both included). TensorFlow 2.20
 # requires Keras >= 3.10 and 2.21 Keras >= 3.12 (their wheels' metadata);
-# Keras 3.11 was current when TensorFlow 2.20 came out (2025-08-13), 3.13 when
-# 2.21 did (2026-03-06), and a fresh install of either takes the newest, 3.15.
+# tfscale needs Keras >= 3.13: its build hook reads the epoch iterator's
+# (first step, last step, data), from 3.11, and TerminateOnNonFiniteLoss
+# passes TerminateOnNaN's raise_error, from 3.13. Keras 3.13 was current when
+# TensorFlow 2.21 came out (2026-03-06), and a fresh install of either
+# TensorFlow takes the newest, 3.15.
 TENSORFLOW_MINORS = ((2, 20), (2, 21))
-KERAS_MINORS = ((3, 10), (3, 15))
+KERAS_MINORS = ((3, 13), (3, 15))
 
 
 def requirement(minors):
@@ -45,7 +48,7 @@ def is_tested(tensorflow_version, keras_version):
 
 
 def tested():
-    """The tested versions in words: "TensorFlow 2.20 to 2.21 and Keras 3.10
+    """The tested versions in words: "TensorFlow 2.20 to 2.21 and Keras 3.13
     to 3.15"."""
     return (f"TensorFlow {describe(TENSORFLOW_MINORS)} and Keras "
             f"{describe(KERAS_MINORS)}")

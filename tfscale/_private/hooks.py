@@ -261,7 +261,7 @@ def check(is_tested, tested):
         is_tested: `fn(tensorflow_version, keras_version) -> bool`, whether
             tfscale was tested with that pair.
         tested: the tested versions in words ("TensorFlow 2.20 to 2.21 and
-            Keras 3.10 to 3.15").
+            Keras 3.13 to 3.15").
 
     Raises:
         RuntimeError: in one line, naming each TensorFlow/Keras function
