@@ -55,16 +55,6 @@ def _run_absl_main(main, argv=None, **kwargs):
 FLAGS = flags.FLAGS
 
 
-
-
-def _process_state():
-    """What a scenario may change but not undo (TensorFlow has no switch
-    back from op determinism). Keras's dtype policy is not read here:
-    reading it fixes it to the current floatx for the rest of the session,
-    which a fresh process would not have done."""
-    return {"op determinism": accessors.op_determinism_enabled()}
-
-
 def _restore(environ, cwd, verbosity, flag_names, floatx):
     # The scenario's flags go: a later script may define the same name.
     for name in set(FLAGS) - flag_names:
@@ -83,7 +73,9 @@ def run(request):
     """Runs one scenario; returns its exit status."""
     environ, cwd, verbosity = dict(os.environ), os.getcwd(), logging.get_verbosity()
     flag_names, floatx = set(FLAGS), keras.config.floatx()
-    before = _process_state()
+    # TensorFlow has no switch back from op determinism: a scenario that
+    # turns it on cannot be undone.
+    determinism_before = accessors.op_determinism_enabled()
     script, module = request.get("script"), request.get("module")
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -105,11 +97,10 @@ def run(request):
         sys.stdout.flush()
         sys.stderr.flush()
         _restore(environ, cwd, verbosity, flag_names, floatx)
-    left = {k: v for k, v in _process_state().items() if v != before[k]}
-    if left:
+    if accessors.op_determinism_enabled() and not determinism_before:
         print(f"pool worker: {script or module} left process-wide state that later "
-              f"scenarios would see: {left}; run it in its own processes "
-              "(tests/multiworker.py launch_workers).", file=sys.stderr, flush=True)
+              "scenarios would see: {'op determinism': True}; run it in its own "
+              "processes (tests/multiworker.py launch_workers).", file=sys.stderr, flush=True)
         return code or LEFT_STATE_EXIT
     return code
 
