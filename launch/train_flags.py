@@ -59,9 +59,11 @@ def _define_job_flags():
     """Model, data, length of training, and where things are written."""
     flags.DEFINE_string("model", "alexnet_bn", "Model: alexnet_bn or resnet50.")
     flags.DEFINE_string("dataset", "digits",
-                        "Data set: digits, imagenet or synthetic.")
+                        "Data set: digits, fashion_mnist, imagenet or synthetic.")
     flags.DEFINE_string("data_dir", None,
-                        "tensorflow-datasets data_dir (imagenet).")
+                        "imagenet: tensorflow-datasets data_dir; fashion_mnist: the "
+                        "directory of its four .gz files (default: Keras's "
+                        "cache, then /usr/share/datasets/fashion-mnist).")
     flags.DEFINE_string(
         "manual_dir", None,
         "Directory holding ILSVRC2012_img_{train,val}.tar (imagenet); default "
@@ -90,7 +92,7 @@ def _define_job_flags():
     flags.DEFINE_integer(
         "fc_units", 0,
         "alexnet_bn's fully connected width; 0: 4096 as published, or 512 on "
-        "digits (10 classes of 8x8 images need no more).",
+        "digits and fashion_mnist (10 classes of small images need no more).",
     )
     flags.DEFINE_integer(
         "image_size", 0,

@@ -31,6 +31,7 @@ from tfscale import data
 from tfscale import dataset_specs
 from tfscale import evaluator
 from tfscale import export
+from tfscale import fashion_mnist_source
 from tfscale import flight_report
 from tfscale import imagenet_source
 from tfscale import models
@@ -68,6 +69,8 @@ def validate_flags(config):
         cost_model_from_flags(config)
         if config.dataset == "imagenet":
             data.check_imagenet_source(config.data_dir, config.manual_dir)
+        if config.dataset == "fashion_mnist":
+            fashion_mnist_source.find(config.data_dir)
     except (ValueError, FileNotFoundError) as error:
         raise app.UsageError(str(error)) from None
 
@@ -91,7 +94,8 @@ def model_options(config):
     """Model keyword arguments that flags set."""
     if config.model != "alexnet_bn":
         return {}
-    fc_units = config.fc_units or (512 if config.dataset == "digits" else 4096)
+    small = config.dataset in ("digits", "fashion_mnist")
+    fc_units = config.fc_units or (512 if small else 4096)
     return {"fc_units": fc_units}
 
 
@@ -469,13 +473,17 @@ def check_evaluator_settings(config):
 
 
 def export_on_chief(config, model, dataset_spec, image_size):
-    """Writes the SavedModel; for digits, checks it on the whole test split."""
+    """Writes the SavedModel; for digits and Fashion-MNIST, checks it on the
+    whole test split, fed raw uint8 images as stored."""
 
     path = export.export_classifier(model, config.export_dir, dataset_spec, image_size)
-    if config.dataset != "digits":
+    if config.dataset == "digits":
+        images, labels = data.digits_arrays("test")
+    elif config.dataset == "fashion_mnist":
+        images, labels = fashion_mnist_source.arrays("test", config.data_dir)
+    else:
         print(f"Exported SavedModel to {path}", flush=True)
         return
-    images, labels = data.digits_arrays("test")
     probabilities = export.verify_export(path, model, images, dataset_spec, image_size)
     accuracy = float(np.mean(np.argmax(probabilities, axis=1) == labels))
     print(

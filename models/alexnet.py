@@ -41,7 +41,7 @@ _SMALL_MIN_INPUT_SIZE = _SMALL_POOL_SIZE**2
 # alexnet_bn_small's BatchNormalization keeps Keras's default epsilon, 1e-3
 # (not _bn's 1e-5): docs/large_batch.md was measured with it. Its momentum is
 # _BN_MOMENTUM: Keras's default, 0.99, leaves the moving statistics half at
-# their initial values after the 60 steps of a large-batch run of the study,
+# their initial values after the few dozen steps of a large-batch run,
 # and the test accuracy then measures that lag, not the weights.
 _SMALL_BN_EPSILON = 1e-3
 
@@ -186,13 +186,14 @@ def alexnet_bn(
     return keras.Model(inputs, outputs, name="alexnet_bn")
 
 
-def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=64):
+def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=64,
+                     synchronized_batch_norm=False):
     """Builds AlexNet-BN in miniature for small images, returning logits.
 
     Two conv-BN-ReLU-pool blocks, BatchNormalization after the last pool (Jia
     et al. 2018's change to AlexNet-BN) and two dense layers: the model of the
-    large-batch study on digits, where ``alexnet_bn`` (67x67 at the smallest)
-    would train for hours. Layers at the default 8x8x1 input, ``width`` 32,
+    large-batch study on Fashion-MNIST (width 8, at the images' own 28x28),
+    where ``alexnet_bn`` (67x67 at the smallest) would train for hours. Layers at the default 8x8x1 input, ``width`` 32,
     ``fc_units`` 64 and 10 classes (BN rows: trainable gamma/beta +
     non-trainable moving mean/variance; convolutions have no bias, BN's beta
     replaces it)::
@@ -227,6 +228,10 @@ def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=6
             4 (pool2 then has 1x1 spatial extent), any channel count.
         width: Filters of conv1; conv2 has twice as many.
         fc_units: Width of fc1.
+        synchronized_batch_norm: BatchNormalization over the global batch
+            (Keras's ``synchronized=True``: statistics all-reduced across
+            workers), so that N workers train as one worker with the same
+            global batch.
 
     Returns:
         An uncompiled ``keras.Model`` named "alexnet_bn_small" mapping images
@@ -264,7 +269,8 @@ def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=6
             name=f"conv{index}",
         )(x)
         x = keras.layers.BatchNormalization(
-            momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON, name=f"conv{index}_bn"
+            momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON,
+            synchronized=synchronized_batch_norm, name=f"conv{index}_bn"
         )(x)
         x = keras.layers.ReLU(name=f"conv{index}_relu")(x)
         x = keras.layers.MaxPooling2D(
@@ -272,7 +278,8 @@ def alexnet_bn_small(num_classes=10, input_shape=(8, 8, 1), width=32, fc_units=6
         )(x)
     # The extra BN of Jia et al. 2018, after the last pool.
     x = keras.layers.BatchNormalization(
-        momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON, name="pool_bn"
+        momentum=_BN_MOMENTUM, epsilon=_SMALL_BN_EPSILON,
+        synchronized=synchronized_batch_norm, name="pool_bn"
     )(x)
     x = keras.layers.Flatten(data_format=_common.DATA_FORMAT, name="flatten")(x)
     x = keras.layers.Dense(

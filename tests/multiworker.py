@@ -47,8 +47,14 @@ def run_train(num_workers, tmp_path, args=(), timeout=300):
     """`tfscale-launch --num_workers=N -- tfscale-train args...` in the
     reused workers: `python -m tfscale.launch.train` in each, with the
     launcher's TF_CONFIG and thread share. `Run.results` is empty."""
-    return _run_in_pool({"module": "tfscale.launch.train"}, num_workers, tmp_path,
-                        args, timeout, {}, None)
+    return run_module("tfscale.launch.train", num_workers, tmp_path, args, timeout)
+
+
+def run_module(module, num_workers, tmp_path, args=(), timeout=300):
+    """`tfscale-launch --num_workers=N -- python -m module args...` in the
+    reused workers. `Run.results` is empty."""
+    return _run_in_pool({"module": module}, num_workers, tmp_path, args,
+                        timeout, {}, None)
 
 
 def _run_in_pool(target, num_workers, tmp_path, args, timeout, env, results_dir):

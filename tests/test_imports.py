@@ -189,7 +189,8 @@ _EVALUATOR = json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "evaluator": ["1
 @pytest.mark.parametrize("args, tf_config, said", [
     (["--help"], None, "--global_batch_size"),
     (["--model=vgg"], None, "tfscale-train: --model='vgg' is unknown. Known: alexnet_bn, resnet50"),
-    (["--dataset=cifar"], None, "--dataset='cifar' is unknown. Known: digits, imagenet, synthetic"),
+    (["--dataset=cifar"], None, "--dataset='cifar' is unknown. Known: digits, fashion_mnist, imagenet, "
+                               "synthetic"),
     (["--batch_schedule=30"], None, "must be comma-separated epoch:factor"),  # Settings' own check
     ([], "{not json", "tfscale-train: TF_CONFIG is not valid JSON"),
     ([], _EVALUATOR, "tfscale-train: The evaluator needs --model_dir"),
@@ -212,14 +213,20 @@ def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
 
 @pytest.mark.multiworker
 @pytest.mark.parametrize("args, said", [
-    (["--settings=sgd_small,adam_large"], "--settings must name some of sgd_small"),
-    (["--epochs=2"], "--warmup_epochs must be shorter than --epochs"),
-    (["--settings=batch_growth_small", "--batch_growth=20:2"],
-     "--batch_growth cannot run with --epochs=20"),  # the Settings' phases, checked
+    (["--rows=sgd@128,adam@1024"],
+     "--rows must name rows of the study: sgd@128, sgd@1024"),
+    (["--epochs=2"], "--growth's event at epoch 4 is not before the end of "
+                     "training (--epochs=2)."),
+    (["--growth=4:2"], "--growth must grow batch 1024 to the largest of "
+                       "--batches (16384); it reaches 2048."),
+    (["--lars_learning_rates=10,-1"],
+     "--lars_learning_rates must be numbers > 0. Received: ['10', '-1']"),
+    (["--warmup_epochs=8"], "--warmup_epochs must be shorter than --epochs"),
 ])
 def test_the_large_batch_study_refuses_bad_flags_without_tensorflow(args, said):
     """python -m tfscale.launch.studies.large_batch checks its flags, the
-    settings of each variant included, before it imports TensorFlow."""
+    settings of each row included, before it imports TensorFlow, and
+    trains nothing."""
     done, loaded, code = run_entry("tfscale.launch.studies.large_batch.__main__",
                                    "large_batch", args)
     assert (loaded, code) == ("[]", "1"), done.stderr[-3000:]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import multiworker
+from skips import needs_fashion_mnist
 
 pytestmark = pytest.mark.multiworker
 
@@ -83,6 +84,34 @@ print(json.dumps({{"classes": probabilities.argmax(1).tolist(),
     np.testing.assert_allclose(result["sums"], 1, atol=1e-5)
     accuracy = np.mean(np.array(result["classes"]) == labels)
     assert f"{accuracy:.4f}" == printed.group(1)
+
+
+@needs_fashion_mnist
+def test_fashion_mnist_trains_on_two_workers_and_serves_raw_28x28_images(tmp_path):
+    export_dir = tmp_path / "export"
+    process = multiworker.run_train(
+        2, tmp_path, ["--dataset=fashion_mnist", "--epochs=1", *SMALL,
+                      f"--export_dir={export_dir}"], timeout=400)
+    assert process.returncode == 0, process.output[-6000:]
+    assert "2 worker(s), global batch 32 (16 per worker)" in process.output
+    # The chief checked the export against its model on all 10,000 images.
+    assert re.search(r"its accuracy on the full 10000-image test split: [0-9.]+",
+                     process.output), process.output[-3000:]
+    import tensorflow as tf
+
+    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    spec = serve.structured_input_signature[1]["images"]
+    assert spec.dtype == tf.uint8 and spec.shape.as_list() == [None, 28, 28, 1]
+
+
+def test_fashion_mnist_files_nowhere_are_one_line_saying_how_to_get_them(tmp_path):
+    process = run(["tfscale-train", "--dataset=fashion_mnist",
+                   f"--data_dir={tmp_path}"], cwd=tmp_path, timeout=120)
+    assert process.returncode == 1
+    last = [l for l in process.stdout.splitlines() if l.strip()][-1]
+    assert last.startswith(f"tfscale-train: data_dir={str(tmp_path)!r} lacks "
+                           "Fashion-MNIST's train-images-idx3-ubyte.gz"), last
+    assert "apt-get install dataset-fashion-mnist" in last
 
 
 # Unknown names, impossible batches and a global batch the workers cannot

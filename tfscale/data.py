@@ -1,4 +1,5 @@
-"""Input pipelines: digits (real, bundled), synthetic, ImageNet (tfds).
+"""Input pipelines: digits (real, bundled), Fashion-MNIST (real, four files),
+synthetic, ImageNet (tfds).
 
 Each pipeline yields `(images, labels)` batches for ONE worker: with an
 `input_context` (from `strategy.distribute_datasets_from_function`) it keeps
@@ -24,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale import _requirements
+from tfscale import fashion_mnist_source
 # Public here as well.
 from tfscale.dataset_specs import SPECS
 from tfscale.dataset_specs import DatasetSpec
@@ -46,7 +48,7 @@ def preprocess(images, dataset_spec, image_size):
     images = tf.cast(images, tf.float32)
     if dataset_spec.name == "imagenet":
         images = _resize_shorter_and_center_crop(images, image_size)
-    else:
+    elif (dataset_spec.stored_shape or (None, None))[:2] != (image_size, image_size):
         images = tf.image.resize(images, (image_size, image_size))
     return _normalize(images, dataset_spec)
 
@@ -114,6 +116,8 @@ def num_examples(name, split, data_dir=None):
     before it is prepared: the sizes of the full ILSVRC2012 archives."""
     if name == "digits":
         return len(digits_arrays(split)[1])
+    if name == "fashion_mnist":
+        return len(fashion_mnist_source.arrays(split, data_dir)[1])
     if name == "imagenet":
         from tfscale import imagenet_source
 
@@ -135,6 +139,9 @@ def load(name, split, global_batch_size, image_size=None, *, training=None,
                   drop_remainder=drop_remainder, start_example=start_example)
     if name == "digits":
         return digits(split, global_batch_size, image_size, **kwargs)
+    if name == "fashion_mnist":
+        return fashion_mnist(split, global_batch_size, image_size,
+                             data_dir=data_dir, **kwargs)
     return imagenet(split, global_batch_size, image_size,
                     data_dir=data_dir, manual_dir=manual_dir,
                     prepare_timeout_seconds=prepare_timeout_seconds, **kwargs)
@@ -164,6 +171,30 @@ def digits(split, global_batch_size, image_size=None, *, training=None,
     images, labels = digits_arrays(split)
     return _batched(
         images, labels, SPECS["digits"], split, global_batch_size,
+        image_size, training, input_context, seed, start_step, drop_remainder,
+        start_example,
+    )
+
+
+def fashion_mnist(split, global_batch_size, image_size=None, *, data_dir=None,
+                  training=None, input_context=None, seed=0, start_step=0,
+                  drop_remainder=True, start_example=0):
+    """Fashion-MNIST (Xiao et al. 2017): 60,000 train / 10,000 test 28x28
+    grey images of 10 kinds of clothing, read from its four IDX files.
+
+    The files are looked for in `data_dir`, Keras's cache and Debian's
+    `dataset-fashion-mnist` (`tfscale.fashion_mnist_source`); where they are
+    nowhere, a FileNotFoundError says how to get them. Sharded as `digits`:
+    the same global batches for any number of workers and any batch.
+
+    Args:
+        image_size: model input side (default 67, for alexnet_bn); 28 keeps
+            the images as stored.
+        Others as in `digits`.
+    """
+    images, labels = fashion_mnist_source.arrays(split, data_dir)
+    return _batched(
+        images, labels, SPECS["fashion_mnist"], split, global_batch_size,
         image_size, training, input_context, seed, start_step, drop_remainder,
         start_example,
     )

@@ -60,7 +60,15 @@ def served_probabilities(export_dir, images):
     """Class probabilities the SavedModel at `export_dir` serves for `images`
     (uint8, as the data set stores them)."""
     serve = tf.saved_model.load(export_dir).signatures["serving_default"]
-    return serve(images=tf.constant(images))["probabilities"].numpy()
+    return np.concatenate([
+        serve(images=tf.constant(chunk))["probabilities"].numpy()
+        for chunk in _chunks(images)])
+
+
+def _chunks(images, size=500):
+    """`images` in slices of `size`: 10,000 test images upsampled for
+    alexnet_bn at once would take gigabytes."""
+    return [images[i:i + size] for i in range(0, len(images), size)]
 
 
 def verify_export(export_dir, model, images, dataset_spec, image_size):
@@ -73,8 +81,10 @@ def verify_export(export_dir, model, images, dataset_spec, image_size):
         RuntimeError: naming how many images the two classify differently.
     """
     served = served_probabilities(export_dir, images)
-    logits = model(data.preprocess(images, dataset_spec, image_size), training=False)
-    in_process = tf.nn.softmax(tf.cast(logits, tf.float32)).numpy()
+    in_process = np.concatenate([
+        tf.nn.softmax(tf.cast(model(data.preprocess(chunk, dataset_spec, image_size),
+                                    training=False), tf.float32)).numpy()
+        for chunk in _chunks(images)])
     differ = int(np.sum(served.argmax(1) != in_process.argmax(1)))
     if differ:
         raise RuntimeError(

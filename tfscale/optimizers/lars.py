@@ -187,11 +187,18 @@ class LARS(keras.optimizers.Optimizer):
             not self._is_excluded(v, la_patterns) for v in variables
         ]
 
+    def _update_dtype(self, variable_dtype):
+        """The dtype of the norms, the trust ratio and the update: at least
+        float32 (see "Precision")."""
+        if variable_dtype in _LOW_PRECISION_FLOATS:
+            return "float32"
+        return variable_dtype
+
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
         index = self._get_variable_index(variable)
-        var_dtype = keras.backend.standardize_dtype(variable.dtype)
-        dtype = "float32" if var_dtype in _LOW_PRECISION_FLOATS else var_dtype
+        dtype = self._update_dtype(
+            keras.backend.standardize_dtype(variable.dtype))
 
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(ops.convert_to_tensor(gradient), dtype)

@@ -1,114 +1,75 @@
-r"""Large-batch study on digits: what closes the large-batch gap?
+r"""Large-batch study on Fashion-MNIST: which technique keeps accuracy as the
+batch grows from 128 to 16K, at a fixed epoch budget?
 
-    python -m tfscale.launch.studies.large_batch   # defaults: 24 min here (144 runs)
+    python -m tfscale.launch.studies.large_batch           # the whole study
+    python -m tfscale.launch.studies.large_batch --quick   # one run per row
 
-The question of You et al. 2017, Jia et al. 2018 and Akiba et al. 2017,
-asked of a data set that fits on this machine: at the same epoch budget a
-large batch makes far fewer updates; does large-batch SGD fall short of the
-small-batch accuracy, and which technique closes the gap? One process
-trains on scikit-learn's digits (1,437 training and 360 test images, real
-data): what varies is the batch size and the optimizer, not the number of
-workers. The AlexNet-BN settings, all with momentum 0.9, L2 weight decay
-on the gradient (biases and BatchNorm parameters excluded):
+The question of Goyal et al. 2017, You et al. 2017 and Jia et al. 2018,
+asked in miniature of a real data set that fits this machine: Fashion-MNIST
+(Xiao et al. 2017; 60,000 training and 10,000 test images, 28x28 grey, 10
+classes; `tfscale.data.fashion_mnist`). One model, AlexNet-BN in miniature
+(`tfscale.models.alexnet_bn_small`, width 8, fc1 64 units: 52K parameters,
+BatchNorm after every conv block and after the last pool as in Jia et al.,
+biases in its dense layers) at the images' own 28x28. Every run trains for
+the same `--epochs` (an epoch: `60000 // batch` updates of one global batch)
+with momentum 0.9 and L2 weight decay 5e-4 on the gradient (AlexNet-BN's
+values in `tfscale.recipes.RECIPES["alexnet_bn_lars_8k"]`), biases and
+BatchNorm excluded from the decay, and polynomial decay (power 2) to 0 after
+a linear warmup of `--warmup_epochs` at every batch above the baseline's.
 
-- `sgd_small`: SGD, `--small_batch`, for each of `--learning_rates`,
-  polynomial decay (power 2) to 0 at the end of the same number of epochs.
-- `sgd_large`: SGD, `--large_batch`, for each of `--learning_rates` scaled
-  linearly (`lr * large_batch / small_batch`), `--warmup_epochs` of warmup,
-  the same decay.
-- `lars_large`: LARS, `--large_batch`, for each peak of
-  `--lars_learning_rates`, `--warmup_epochs` of warmup, the same decay,
-  biases and BatchNorm excluded from decay and from layer adaptation.
-- `slow_start_large`: SGD as `sgd_large`, but after the warmup Akiba et
-  al.'s slow-start schedule (`lr_schedule="slow_start"`,
-  `tfscale.schedules.SlowStart`: 0.5, 0.075, 0.01, 0.001 times the scaled
-  rate from 0, 40/90, 70/90, 85/90 of training).
-- `rmsprop_warmup_large`: Akiba et al.'s combination: RMSprop warm-up
-  (`optimizer="rmsprop_warmup"`, `tfscale.optimizers.RMSpropWarmup`, its
-  RMSprop learning rate 3e-4; RMSprop and SGD weigh half each at 10/90 of
-  training, SGD alone from 12.5/90, the 10- and 5-epoch defaults of a
-  90-epoch run scaled to `--epochs`) with the slow-start schedule on SGD's
-  rate, scaled linearly from each of `--learning_rates`; no linear warmup.
-- `batch_growth_small`: Smith et al. 2017, "Don't Decay the Learning Rate,
-  Increase the Batch Size": SGD from `--small_batch` at a constant rate
-  (each of `--learning_rates`), the batch multiplied by each factor of
-  `--batch_growth` (`epoch:factor` events; default `3:5,6:5`: 32, 160,
-  800, early enough that training has not converged yet) at its epoch
-  (`Settings.batch_schedule`, `tfscale.batch_growth`; an epoch keeps its
-  1,440 examples, in fewer updates).
-- `lr_decay_small`: the decay that growth replaces: the same events divide
-  the learning rate instead (`max_global_batch_size` = `--small_batch`).
-- `powersgd_sgd_small`, `powersgd_lars_large`: `sgd_small` at
-  `--powersgd_learning_rate` and `lars_large` at
-  `--powersgd_lars_learning_rate`, their gradients all-reduced by PowerSGD
-  (Vogels, Karimireddy and Jaggi 2019; `tfscale.Strategy` with
-  `CommunicationOptions(compression="powersgd")`) at each rank of
-  `--powersgd_ranks`, uncompressed for the first `--powersgd_start_step`
-  updates, error feedback on. One worker: PowerSGD's sums are linear (P = M Q
-  summed over workers is (sum of M) Q, and the errors kept add up to the
-  sum's error), so one worker with the global batch follows the same
-  compressed trajectory as N workers sharing it. Each is compared with the
-  same run uncompressed.
+The rows (`rows.py`; a row is a method at a batch and a precision):
 
-Each runs under every `--precisions` policy and every seed; the baseline
-every other row is compared with is the best `sgd_small` learning rate, and
-each of the last three rows also with the row it changes one thing of.
-After training, every AlexNet-BN run is evaluated twice: with Keras's
-BatchNorm moving averages, and with "BatchNorm without moving averages"
-(Akiba et al.; `tfscale.callbacks.recompute_batch_norm_statistics`: the
-statistics recomputed for the final weights over one epoch of training
-batches). An "epoch" is `round(1437 / batch)` steps; the default large
-batch, 479, is a third of the training set: 3 steps per epoch against 45
-for batch 32 (ImageNet at 64K makes 20). The optimizers come from
-`tfscale.recipes.make_optimizer`, the code behind tfscale-train's flags.
+- `sgd@128`: the baseline, SGD with momentum at batch 128.
+- `sgd@B`, B in `--batches`: Goyal et al.'s linear scaling rule with
+  gradual warmup (arXiv 1706.02677, sections 2.1 and 2.2): the baseline's
+  learning rate times B / 128.
+- `lars@B`: LARS (You et al., arXiv 1708.03888, algorithm 1; trust
+  coefficient 0.001) with the same warmup and decay.
+- `lars_decay_all@8192`: LARS with the weight decay on BatchNorm's
+  parameters and the biases too: Jia et al.'s ablation (arXiv 1807.11205,
+  section 3, "no bias and BN weight decay").
+- `lars@8192:mixed_bfloat16`: mixed precision (bfloat16 compute, float32
+  weights) with LARS's update in float32, as Jia et al. section 3 do it.
+- `lars_half@8192:bfloat16`: the naive alternative Jia et al. section 3
+  warns against: weights, norms, trust ratio and update all in bfloat16.
+- `rmsprop_warmup@16384`: Akiba, Suzuki and Fukuda 2017 (arXiv 1711.04325):
+  RMSprop warm-up into SGD, with the slow-start schedule, at the largest
+  batch (`tfscale.optimizers.RMSpropWarmup`, `tfscale.schedules.SlowStart`;
+  their boundaries and warm-up length as fractions of a 90-epoch run).
+- `batch_growth@16384`: Smith, Kindermans, Ying and Le 2017 (arXiv
+  1711.00489, section 5): reach the largest batch by growing it: batch 1024
+  at a constant, linearly scaled rate after the warmup, multiplied by each
+  factor of `--growth` at its epoch (`tfscale.batch_growth`).
 
-The AlexNet-BN model (`--model=small_alexnet_bn`, the default) is
-`tfscale.models.alexnet_bn_small`, a small AlexNet-BN (conv-BN-ReLU-pool
-blocks, BatchNorm after the last pool as in Jia et al., two dense layers)
-on the 8x8 images: the project's `tfscale.models.alexnet_bn` at its
-smallest input (67x67) trains at about 50 images/s on this 2-core
-machine, and bfloat16 is slower still (no AVX-512 here, so TensorFlow
-falls back to Eigen kernels): hours, not minutes. `--model=alexnet_bn`
-runs it anyway.
+Each row runs every learning rate of its grid under every seed and reports
+the grid's best learning rate by mean final test accuracy:
 
-HALP does not apply to that model (its theory needs a strongly convex
-loss; BatchNorm and non-convexity break it), so HALP is compared on
-L2-regularized softmax regression (no bias, `--softmax_l2 * ||W||^2` in the
-loss: strongly convex, mu = 2 * l2) on the same digits, their 64 pixels
-scaled to [0, 1] and centred, float32, once per seed (not per precision),
-at both batches, at a constant step size (`--softmax_learning_rate` at the
-small batch, `--softmax_large_learning_rate` at the large one):
+- SGD rows (`sgd`, `rmsprop_warmup`, `batch_growth`): `--sgd_learning_rates`
+  at batch 128, scaled linearly to the row's batch (the starting batch for
+  `batch_growth`);
+- LARS rows: `--lars_learning_rates` at batch 8192, scaled by the square
+  root of batch / 8192 at the other batches (Krizhevsky 2014, arXiv
+  1404.5997, section 5; You et al.'s AlexNet-BN rates grow about that fast:
+  10 at 8K, 32 at 32K in the recipes above).
 
-- `softmax_sgd_small`, `softmax_sgd_large`: Keras SGD, float32 weights;
-  `softmax_sgd_small` is the baseline of this group.
-- `softmax_lp_sgd_small`, `softmax_lp_sgd_large`: 8-bit low-precision SGD
-  (`tfscale.optimizers.LowPrecisionSGD`, grid step `--softmax_lp_scale`).
-- `softmax_svrg_small`, `softmax_svrg_large`: SVRG
-  (`tfscale.optimizers.SVRG` in a `VarianceReducedModel`), a full gradient
-  every 2 epochs.
-- `softmax_halp_small`, `softmax_halp_large`: HALP, 8-bit offset, the same
-  epoch length, mu = 2 * `--softmax_l2`.
+A run is a row on disk (`--results`, JSON lines) the moment it finishes:
+a rerun skips the runs already there, so an interrupted study continues where
+it stopped. Under `tfscale-launch --num_workers=N` every run trains on N
+workers through `tfscale.Strategy`, with BatchNorm over the global batch
+(`synchronized=True`): the same global batches as one worker, so the same
+weights up to float32 rounding (`--weights_dir` keeps each run's weights;
+`python -m tfscale.launch.studies.large_batch.compare A B` compares two).
 
-Reported for these: test accuracy, the final training objective, the
-parameter updates and the per-example gradient evaluations (counted: SGD
-one per example per step; SVRG and HALP two, plus each full-gradient pass
-over the 1,437 examples, about 2.5x SGD's per epoch).
-
-Where a paper gives an ImageNet recipe that `tfscale.recipes` can express,
-it is in `tfscale.recipes.RECIPES`; Akiba et al.'s numbers could not be
-checked against the paper (see below), and HALP's paper gives none for
-ImageNet, so these rows add no recipe.
-
-Writes `--doc` (default docs/large_batch.md: the command, exactly what was
-printed, including one sentence per row generated from the measured
-numbers) and `--plot` (test accuracy per epoch, mean over seeds with the
-min-max band; one panel per precision, one for the softmax group).
+Writes the table, the targets and the plot into `--doc` between its
+`<!-- results -->` markers (the page's own text stays), and `--plot`.
 """
 
 # The package, by concern:
-#   __main__.py     main() and run(), what `python -m` runs
+#   __main__.py     main(): runs what is not on disk yet, then reports
 #   study_flags.py  the flags: define_flags(), check_flags()
-#   variants.py     the settings; Variant, one setting at one learning rate
-#   training.py     one AlexNet-BN or softmax-regression run, measured as a Run
-#   report.py       the printed lines, tables and sentences; the Markdown doc
-#   plot.py         the plot of test accuracy per epoch
+#   rows.py         the rows, their grids and settings; Run, one training run
+#   training.py     one run, trained and measured
+#   results.py      the runs on disk (JSON lines), resumable
+#   report.py       the table, the targets, the page
+#   plot.py         test accuracy against batch size, one line per method
+#   compare.py      two runs' weights (1 worker against N workers)

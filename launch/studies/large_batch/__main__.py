@@ -1,76 +1,112 @@
 """`python -m tfscale.launch.studies.large_batch`: runs the study.
 
-`main` trains every variant the flags ask for, prints what each run
-measured and the report, and writes the doc and the plot; the package's
-docstring (`__init__.py`) says what each setting is.
+`main` runs every run the flags select that is not on disk yet, one JSON
+line each, then reports every selected run on disk; the package's docstring
+(`__init__.py`) says what each row is.
 """
 
+import datetime
+import os
+import platform
+import re
+import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
 
 from tfscale.launch import flag_help
 from tfscale.launch.studies import large_batch
-from tfscale.launch.studies.large_batch import plot
 from tfscale.launch.studies.large_batch import report
+from tfscale.launch.studies.large_batch import results
+from tfscale.launch.studies.large_batch import rows as study_rows
 from tfscale.launch.studies.large_batch import study_flags
-from tfscale.launch.studies.large_batch import variants
 
 FLAGS = flags.FLAGS
+
+
+def machine():
+    """The CPU, its AVX-512 flags, the commit and the date: where the
+    numbers were measured."""
+    model = "unknown CPU"
+    flags_found = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+        found = re.search(r"model name\s*:\s*(.*)", info)
+        model = found.group(1).strip() if found else model
+        flags_found = set(re.findall(r"\b(avx512\w*|amx\w*)\b", info))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True,
+                            cwd=os.path.dirname(__file__)).stdout.strip()
+    return (f"Measured on {model} ({os.cpu_count()} cores; "
+            f"{' '.join(sorted(flags_found)) or 'no AVX-512'}), "
+            f"{platform.python_implementation()} {platform.python_version()}, "
+            f"commit {commit or 'unknown'}, {datetime.date.today()}.")
+
+
+def train_missing(runs, done):
+    """Trains the runs not in `done`, the chief writing each as it finishes;
+    returns whether this process is the chief."""
+    import keras  # TensorFlow: after the flags are checked
+    import tfscale
+    from tfscale.launch.studies.large_batch import training
+
+    strategy = tfscale.Strategy()  # one per study: every run shares it
+    todo = [run for run in runs if run.key not in done]
+    print(f"{len(runs)} runs selected, {len(runs) - len(todo)} already in "
+          f"{FLAGS.results}, {len(todo)} to run.", flush=True)
+    for index, run in enumerate(todo, start=1):
+        record, model = training.train(run, strategy)
+        if strategy.is_chief:
+            results.append(FLAGS.results, record)
+            if FLAGS.weights_dir:
+                save_weights(model, os.path.join(FLAGS.weights_dir,
+                                                 run.key.replace("|", "_") + ".npz"))
+        done[run.key] = record
+        print(f"[{index}/{len(todo)}] {run.key}: test accuracy "
+              f"{record['final_accuracy']:.2f}% after {record['updates']} "
+              f"updates ({record['seconds']:.0f} s)", flush=True)
+        keras.backend.clear_session()
+    return strategy.is_chief
+
+
+def save_weights(model, path):
+    import numpy as np
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez(path, **{f"{i}_{w.path}": w.numpy() for i, w in enumerate(model.weights)})
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     study_flags.check_flags()
-    # TensorFlow is imported here, after the flags are checked.
-    from tfscale.launch.studies.large_batch import training
-
+    rows = study_rows.selected_rows()
+    runs = study_rows.runs(rows)
+    done = results.load(FLAGS.results)
+    if not FLAGS.report_only and not train_missing(runs, done):
+        return  # a worker other than the chief: the chief reports
+    records = [done[run.key] for run in runs if run.key in done]
     command = " ".join(["python -m tfscale.launch.studies.large_batch",
                         *sys.argv[1:]])
-    say = report.Report()
-    say(f"Large-batch study: digits ({variants.NUM_TRAIN} train / 360 test "
-        f"images), {FLAGS.model}, {FLAGS.epochs} epochs, seeds "
-        f"0-{FLAGS.seeds - 1}, momentum {FLAGS.momentum:g}, weight decay "
-        f"{FLAGS.weight_decay:g} (not on biases/BN), warmup "
-        f"{FLAGS.warmup_epochs:g} epochs (large batch), poly decay (power 2) "
-        "to 0 unless the row says slow start.")
-    say("Akiba et al. 2017's RMSprop warm-up, slow start and BatchNorm "
-        "without moving averages are reconstructed from public Chainer code "
-        "(the paper's text was not available; see their docstrings).")
-    jobs = [(v, p, s) for v in variants.from_flags() for p in v.precisions()
-            for s in range(FLAGS.seeds)]
-    jobs.sort(key=lambda job: FLAGS.precisions.index(job[1])
-              if job[1] in FLAGS.precisions else 0)
-    runs = {}
-    start = time.perf_counter()
-    for index, (variant, precision, seed) in enumerate(jobs, start=1):
-        run = training.train_once(variant, precision, seed)
-        runs.setdefault((variant, precision), []).append(run)
-        extra = (f", objective {run.objective:.6f}" if variant.softmax else
-                 f", BN recomputed {run.recomputed_accuracy:.2f}%")
-        say(f"[{index}/{len(jobs)}] {variant.label}, {precision}, seed "
-            f"{seed}: test accuracy {run.accuracy[-1]:.2f}%{extra} "
-            f"({run.seconds:.0f} s)")
-    say()
-    report.alexnet_summary(say, runs)
-    say()
-    report.softmax_summary(say, runs)
-    say()
-    say(f"Total time {time.perf_counter() - start:.0f} s.")
-    plot.write_plot(runs, FLAGS.plot)
-    report.write_doc(FLAGS.doc, command, say.lines, FLAGS.plot)
-    print(f"Wrote {FLAGS.doc} and {FLAGS.plot}", flush=True)
+    lines = [*report.table(rows, records), "", *report.targets(records)]
+    print("\n".join(lines), flush=True)
+    if FLAGS.plot and records:
+        from tfscale.launch.studies.large_batch import plot
+
+        plot.write_plot(records, FLAGS.plot)
+    if FLAGS.doc:
+        report.write_page(FLAGS.doc, command, machine(), lines, FLAGS.plot)
+        print(f"Wrote {FLAGS.doc}" + (f" and {FLAGS.plot}" if FLAGS.plot else ""),
+              flush=True)
 
 
 def run():
     """Defines the flags, makes `--help` describe the study, runs `main`."""
     study_flags.define_flags()
     # absl's --help prints the docstring and the key flags of the __main__
-    # module: the study's description (the package's docstring) and the
-    # flags study_flags defined.
+    # module: the study's description and the flags study_flags defined.
     sys.modules["__main__"].__doc__ = large_batch.__doc__
     flag_help.list_in_help(f"{large_batch.__name__}.")
     app.run(main)

@@ -1,62 +1,52 @@
-"""The plot: test accuracy per epoch, mean over seeds with the min-max band."""
+"""The plot: test accuracy against batch size, one line per method."""
 
 import os
 
-import numpy as np
-from absl import flags
-
-from tfscale.launch.studies.large_batch import variants
-
-FLAGS = flags.FLAGS
+from tfscale import _requirements
+from tfscale.launch.studies.large_batch import report
+from tfscale.launch.studies.large_batch import rows as study_rows
 
 
-def plot_panels():
-    """(title, precision, variants) of each panel of the plot."""
-    alexnet = [v for v in variants.from_flags() if not v.softmax]
-    softmax = [v for v in variants.from_flags() if v.softmax]
-    panels = [(f"{FLAGS.model}, {p}", p, alexnet)
-              for p in FLAGS.precisions if alexnet]
-    if softmax:
-        panels.append(("softmax regression, float32", "float32", softmax))
-    return panels
-
-
-def write_plot(runs, path):
-    """Test accuracy per epoch: mean over seeds, min-max band."""
-    # Imported here, not at the top: choosing the Agg backend is a setting of
-    # the whole process, made when a plot is written rather than whenever a
-    # module imports this one (its backend must be chosen before pyplot is
-    # imported).
-    import matplotlib
-
+def write_plot(records, path):
+    """Mean final test accuracy at each row's best learning rate against its
+    batch (log scale), min-max over seeds as error bars."""
+    matplotlib = _requirements.import_extra("matplotlib", "plots", "The plot")
+    # The Agg backend: chosen when a plot is written, not on import (a
+    # setting of the whole process, made before pyplot is imported).
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import ticker
 
-    panels = plot_panels()
-    figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5),
-                                squeeze=False)
-    for axis, (title, precision, panel_variants) in zip(axes[0], panels):
-        for variant in panel_variants:
-            curves = np.array([r.accuracy for r in runs[(variant, precision)]])
-            epochs = np.arange(1, curves.shape[1] + 1)
-            line, = axis.plot(epochs, curves.mean(axis=0),
-                              "--" if variant.large else
-                              "-." if variant.grows else "-",
-                              label=variant.label, linewidth=2)
-            axis.fill_between(epochs, curves.min(axis=0), curves.max(axis=0),
-                              color=line.get_color(), alpha=0.15)
-        axis.set_title(title)
-        axis.set_xlabel("epoch")
-        axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        if not panel_variants[0].softmax:  # the softmax group: zoomed
-            axis.set_ylim(0, 100)
-        axis.grid(alpha=0.3)
-        axis.set_ylabel("test accuracy (%)")
-        axis.legend(loc="lower right", fontsize="small")
-    figure.suptitle(f"digits, {FLAGS.epochs} epochs, {FLAGS.seeds} seeds: "
-                    "mean, min-max band (dashed: large batch, dash-dot: "
-                    "--batch_growth events)")
+    chosen = report.best(records)
+    figure, axis = plt.subplots(figsize=(8, 5))
+    lines = {}
+    for row in study_rows.all_rows():
+        if row.id not in chosen:
+            continue
+        finals = [r["final_accuracy"] for r in chosen[row.id][1]]
+        name = (study_rows.LABELS[row.method] if row.precision == "float32"
+                else f"{study_rows.LABELS[row.method]}, {row.precision}")
+        if row.method == "sgd":  # the baseline starts the linear-scaling line
+            name = study_rows.LABELS["sgd"]
+        lines.setdefault(name, []).append(
+            (row.batch, report.mean(finals), min(finals), max(finals)))
+    for name, points in lines.items():
+        points.sort()
+        x = [p[0] for p in points]
+        y = [p[1] for p in points]
+        errors = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
+        axis.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=name)
+    baseline = chosen.get(f"sgd@{study_rows.BASELINE_BATCH}")
+    if baseline:
+        axis.axhline(report.mean(r["final_accuracy"] for r in baseline[1]),
+                     color="grey", linestyle=":", label="baseline, batch 128")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("global batch size")
+    axis.set_ylabel("test accuracy (%), best learning rate")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small", loc="lower left")
+    epochs = {r["epochs"] for r in records}
+    axis.set_title(f"Fashion-MNIST, alexnet_bn_small, {'/'.join(map(str, sorted(epochs)))} "
+                   "epochs: mean over seeds, min-max bars")
     figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path, dpi=100)

@@ -4,121 +4,109 @@ before anything trains."""
 from absl import app
 from absl import flags
 
-from tfscale import recipe_settings
-from tfscale.launch.studies.large_batch import variants
+# Not `from tfscale import batch_growth`: a public name of `tfscale` loads
+# all of it, TensorFlow included, and the flags are checked before that.
+from tfscale.batch_growth import parse as parse_batch_schedule
+from tfscale.launch.studies.large_batch import rows
 
 FLAGS = flags.FLAGS
+
+# --quick: a selection that shows every method in minutes.
+QUICK_EPOCHS = 2
+QUICK_RESULTS = "large_batch_quick.jsonl"
+QUICK_GROWTH = "1:16"  # 1024 to 16384 within the 2 epochs
 
 
 def define_flags():
     """Defines the study's flags (`run()` calls it before parsing)."""
-    flags.DEFINE_list("settings", list(variants.SETTINGS),
-                      "Which settings to run, of "
-                      f"{', '.join(variants.SETTINGS)}.")
-    flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16"],
-                      "Keras dtype policies; every AlexNet-BN setting runs under "
-                      "each (the softmax group in float32 only).")
-    flags.DEFINE_integer("seeds", 3, "Seeds 0..N-1 (weights and data order).",
+    flags.DEFINE_bool("quick", False,
+                      f"One run per row (the middle learning rate, seed 0), "
+                      f"{QUICK_EPOCHS} epochs (growth {QUICK_GROWTH}), results in "
+                      f"./{QUICK_RESULTS}, "
+                      "no page or plot unless --doc/--plot are given.")
+    flags.DEFINE_list("rows", [], "Rows to run (method@batch[:precision], "
+                      "e.g. lars@8192); default: all.")
+    flags.DEFINE_integer("epochs", 8, "Epoch budget, the same for every run.",
                          lower_bound=1)
-    flags.DEFINE_integer("epochs", 20, "Epoch budget, the same for every run.",
+    flags.DEFINE_integer("seeds", 2, "Seeds 0..N-1 (weights and data order).",
                          lower_bound=1)
-    flags.DEFINE_integer("small_batch", 32, "Batch of the baseline.",
-                         lower_bound=1)
-    flags.DEFINE_integer("large_batch", 479,
-                         "Large batch (479 = 1437 / 3: 3 steps per epoch).",
-                         lower_bound=1)
-    flags.DEFINE_list("learning_rates", ["0.02", "0.05"],
-                      "SGD learning rates at --small_batch (sgd_large scales "
-                      "each linearly).")
-    flags.DEFINE_list("lars_learning_rates", ["3", "10"],
-                      "LARS peak learning rates.")
-    flags.DEFINE_float("warmup_epochs", 2.0, "Warmup of the large-batch runs.",
+    flags.DEFINE_list("batches", ["1024", "4096", "8192", "16384"],
+                      "Large batches of the sgd and lars rows; the largest is "
+                      "the rmsprop_warmup and batch_growth rows' batch.")
+    flags.DEFINE_list("sgd_learning_rates", ["0.025", "0.05", "0.1"],
+                      "SGD grid at batch 128, scaled linearly to each batch.")
+    flags.DEFINE_list("lars_learning_rates", ["5", "10", "20"],
+                      "LARS grid at batch 8192, scaled by sqrt(batch / 8192).")
+    flags.DEFINE_float("warmup_epochs", 1.0,
+                       "Linear warmup of every row above batch 128.",
                        lower_bound=0.0)
     flags.DEFINE_float("weight_decay", 5e-4,
-                       "L2 on the gradient, biases and BatchNorm excluded.",
-                       lower_bound=0.0)
+                       "L2 on the gradient, biases and BatchNorm excluded "
+                       "(but in lars_decay_all).", lower_bound=0.0)
     flags.DEFINE_float("momentum", 0.9, "Momentum of SGD and LARS.")
-    flags.DEFINE_list("powersgd_ranks", ["1", "2", "4"],
-                      "powersgd_* settings: PowerSGD ranks to run.")
-    flags.DEFINE_float("powersgd_learning_rate", 0.05,
-                       "powersgd_sgd_small: SGD learning rate (also in "
-                       "--learning_rates: the uncompressed run to compare).",
-                       lower_bound=0.0)
-    flags.DEFINE_float("powersgd_lars_learning_rate", 3.0,
-                       "powersgd_lars_large: LARS peak learning rate (also in "
-                       "--lars_learning_rates).", lower_bound=0.0)
-    flags.DEFINE_integer("powersgd_start_step", 10,
-                         "powersgd_* settings: updates all-reduced "
-                         "uncompressed before PowerSGD starts (tfscale's "
-                         "default).", lower_bound=0)
-    flags.DEFINE_string("batch_growth", "3:5,6:5",
-                        "batch_growth_small: epoch:factor events at which the "
-                        "batch grows (lr_decay_small divides the learning "
-                        "rate there instead; Smith et al. 2017).")
-    flags.DEFINE_float("softmax_l2", 2.0 ** -7,
-                       "Softmax regression: loss + l2 * ||W||^2 (HALP's mu "
-                       "is 2 * l2).", lower_bound=0.0)
-    flags.DEFINE_float("softmax_learning_rate", 0.5,
-                       "Softmax regression: step size at --small_batch.",
-                       lower_bound=0.0)
-    flags.DEFINE_float("softmax_large_learning_rate", 2.0,
-                       "Softmax regression: step size at --large_batch.",
-                       lower_bound=0.0)
-    flags.DEFINE_float("softmax_lp_scale", 2.0 ** -6,
-                       "Grid step of 8-bit LP-SGD's weights (2**-6: "
-                       "[-1.98, 1.98]; the float runs end with max |w| ~1).",
-                       lower_bound=0.0)
-    flags.DEFINE_enum("model", "small_alexnet_bn",
-                      ["small_alexnet_bn", "alexnet_bn"], "Model (see above).")
-    flags.DEFINE_string("doc", "docs/large_batch.md", "Markdown report to write.")
-    flags.DEFINE_string("plot", "docs/large_batch.png", "PNG plot to write.")
+    flags.DEFINE_string("growth", "4:4,6:4",
+                        "batch_growth: epoch:factor events growing batch "
+                        f"{rows.GROWTH_START_BATCH} to the largest batch.")
+    flags.DEFINE_string("results", "docs/bench/large_batch_runs.jsonl",
+                        "The runs on disk, one JSON line each; finished runs "
+                        "found there are not run again.")
+    flags.DEFINE_string("doc", "docs/large_batch.md",
+                        "The page whose <!-- results --> part is rewritten; "
+                        "empty: none.")
+    flags.DEFINE_string("plot", "docs/large_batch.png",
+                        "The plot of test accuracy against batch; empty: none.")
+    flags.DEFINE_string("weights_dir", None,
+                        "Keep each run's final weights here (.npz, chief "
+                        "only), to compare runs on 1 and N workers.")
+    flags.DEFINE_bool("report_only", False,
+                      "Train nothing: report the runs on disk.")
 
 
 def check_flags():
-    """Refuses flag values the study cannot run, before anything trains."""
-    unknown = [s for s in FLAGS.settings if s not in variants.SETTINGS]
-    if unknown or not FLAGS.settings:
+    """Refuses bad flags with one line each, before TensorFlow is imported."""
+    if FLAGS.quick:
+        for name, value in (("epochs", QUICK_EPOCHS), ("results", QUICK_RESULTS),
+                            ("growth", QUICK_GROWTH), ("doc", ""), ("plot", "")):
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
+    known = [row.id for row in rows.all_rows()]
+    unknown = [name for name in FLAGS.rows if name not in known]
+    if unknown:
         raise app.UsageError(
-            f"--settings must name some of {', '.join(variants.SETTINGS)}. "
-            f"Received: settings={FLAGS.settings!r}")
-    bad = [p for p in FLAGS.precisions if p not in recipe_settings.PRECISIONS]
-    if bad or not FLAGS.precisions:
-        raise app.UsageError(
-            f"--precisions must name some of {', '.join(recipe_settings.PRECISIONS)}."
-            f" Received: precisions={FLAGS.precisions!r}")
-    for name in ("learning_rates", "lars_learning_rates"):
+            f"--rows must name rows of the study: {', '.join(known)}. "
+            f"Unknown: {', '.join(unknown)}")
+    for name in ("batches", "sgd_learning_rates", "lars_learning_rates"):
         try:
-            rates = [float(r) for r in getattr(FLAGS, name)]
+            values = [float(v) for v in FLAGS[name].value]
         except ValueError:
-            rates = []
-        if not rates or min(rates) <= 0:
-            raise app.UsageError(
-                f"--{name} must be a list of numbers > 0. "
-                f"Received: {name}={getattr(FLAGS, name)!r}")
+            values = []
+        if not values or min(values) <= 0:
+            raise app.UsageError(f"--{name} must be numbers > 0. "
+                                 f"Received: {FLAGS[name].value}")
     if FLAGS.warmup_epochs >= FLAGS.epochs:
         raise app.UsageError(
             "--warmup_epochs must be shorter than --epochs. Received: "
             f"warmup_epochs={FLAGS.warmup_epochs}, epochs={FLAGS.epochs}")
-    for name in ("small_batch", "large_batch"):
-        if getattr(FLAGS, name) > variants.NUM_TRAIN:
-            raise app.UsageError(
-                f"--{name} must be at most {variants.NUM_TRAIN}, the "
-                f"training set. Received: {name}={getattr(FLAGS, name)}")
+    largest = max(int(b) for b in FLAGS.batches)
     try:
-        ranks = [int(r) for r in FLAGS.powersgd_ranks]
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 1:
+        events = parse_batch_schedule(FLAGS.growth)
+    except ValueError as error:
+        raise app.UsageError(f"--growth: {error}") from None
+    grown = rows.GROWTH_START_BATCH
+    for epoch, factor in events:
+        grown *= factor
+        if epoch >= FLAGS.epochs:
+            raise app.UsageError(
+                f"--growth's event at epoch {epoch} is not before the end of "
+                f"training (--epochs={FLAGS.epochs}).")
+    if grown != largest:
         raise app.UsageError(
-            "--powersgd_ranks must be a list of integers >= 1. "
-            f"Received: powersgd_ranks={FLAGS.powersgd_ranks!r}")
-    for variant in variants.from_flags():
-        if variant.grows:
-            try:
-                recipe_settings.batch_phases(
-                    variant.settings("float32"), variant.batch,
-                    variant.steps_per_epoch, FLAGS.epochs)
-            except ValueError as e:
-                raise app.UsageError(
-                    f"--batch_growth cannot run with --epochs={FLAGS.epochs} "
-                    f"and --small_batch={FLAGS.small_batch}: {e}") from None
+            f"--growth must grow batch {rows.GROWTH_START_BATCH} to the "
+            f"largest of --batches ({largest}); it reaches {grown}.")
+    # Every row's settings, checked by Settings itself.
+    try:
+        for row in rows.selected_rows():
+            for learning_rate in row.learning_rates():
+                row.settings(learning_rate)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
