@@ -16,6 +16,9 @@ _PLOTS = ["matplotlib"]
 # ImageNet (tfscale.imagenet_source); tensorflow-datasets needs
 # importlib_resources and does not bring it.
 _IMAGENET = ["tensorflow-datasets>=4.9,<5", "importlib_resources"]
+# Keras's JAX backend on CPU, for the toolbox (optimizers, schedules,
+# recipes) and the models without TensorFlow (docs/jax.md).
+_JAX = ["jax[cpu]"]
 
 setuptools.setup(
     name="tfscale",
@@ -59,6 +62,11 @@ setuptools.setup(
         # pyyaml: tests/test_deploy.py; the suite also tests the plots and
         # ImageNet's reader.
         "test": ["pytest", "pyyaml", *_PLOTS, *_IMAGENET],
+        "jax": _JAX,
+        # The JAX tier (.ci/jax), in an environment without TensorFlow. Not
+        # in [test]: jax and jaxlib (380 MB) would sit unused where Keras
+        # runs on TensorFlow.
+        "test-jax": ["pytest", *_JAX],
     },
     entry_points={
         "console_scripts": [

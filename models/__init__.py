@@ -1,6 +1,6 @@
-"""Plain Keras model builders for tfscale (depend on keras only), and
-`VarianceReducedModel`, the `keras.Model` that trains a model with HALP or
-SVRG (tfscale.optimizers).
+"""Plain Keras model builders for tfscale (depend on keras only: any Keras
+backend), and `VarianceReducedModel`, the `keras.Model` that trains a model
+with HALP or SVRG (tfscale.optimizers; TensorFlow only).
 
 Every builder returns an uncompiled ``keras.Model`` that maps channels_last images
 to float32 logits (no softmax), computes in the global dtype policy (half
@@ -14,10 +14,26 @@ Example:
     model = models.get("resnet50", num_classes=1000)
 """
 
+import importlib.util
+
 from tfscale.models.alexnet import alexnet_bn
 from tfscale.models.alexnet import alexnet_bn_small
 from tfscale.models.resnet import resnet50
-from tfscale.models.variance_reduced import VarianceReducedModel
+
+# The builders are plain Keras (any backend); VarianceReducedModel's
+# train step is TensorFlow's (tf.GradientTape, tf.data, tf.distribute).
+# Without TensorFlow, naming it says so in tfscale._requirements' words
+# (written out: models/ imports nothing of tfscale).
+if importlib.util.find_spec("tensorflow") is not None:
+    from tfscale.models.variance_reduced import VarianceReducedModel
+else:
+    def __getattr__(name):
+        if name == "VarianceReducedModel":
+            raise ModuleNotFoundError(
+                "tfscale.models.VarianceReducedModel needs TensorFlow: pip install "
+                '"tfscale[cpu]" (or [gpu], [tensorflow]: the build you want)',
+                name="tensorflow")
+        raise AttributeError(f"module 'tfscale.models' has no attribute {name!r}")
 
 _BUILDERS = {
     "alexnet_bn": alexnet_bn,

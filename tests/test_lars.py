@@ -7,8 +7,10 @@ import re
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from keras import ops
 
+from keras_backend import BACKEND
+from keras_backend import tensorflow_only
 from tfscale import schedules
 from tfscale.optimizers import LARS
 
@@ -99,7 +101,7 @@ def _run_parity(flags, steps=4, zero_weights=(), zero_grads=(), **kwargs):
             if path in zero_grads:
                 g[...] = 0.0
             grads.append(g)
-        optimizer.apply([tf.constant(g) for g in grads], variables)
+        optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
         for i, path in enumerate(_VARIABLES):
             decay, adapt = flags(path)
             ref_w[i], ref_v[i] = _reference_step(
@@ -183,7 +185,7 @@ def test_zero_norm_weight_and_gradient_use_trust_one():
     u = keras.Variable(np.ones((4, 3), np.float32), name="other")
     g = np.arange(12, dtype=np.float32).reshape(4, 3)
     optimizer = LARS(learning_rate=0.5, momentum=0.0, eeta=0.001)
-    optimizer.apply([tf.constant(g), tf.zeros((4, 3))], [w, u])
+    optimizer.apply([ops.convert_to_tensor(g), ops.zeros((4, 3))], [w, u])
     np.testing.assert_array_equal(w.numpy(), -0.5 * g)
     np.testing.assert_array_equal(u.numpy(), np.ones((4, 3), np.float32))
 
@@ -196,7 +198,10 @@ def _closure_apply(optimizer, var):
     return apply
 
 
+@tensorflow_only
 def test_update_inside_tf_function_matches_eager():
+    import tensorflow as tf
+
     rng = np.random.default_rng(1)
     init = rng.standard_normal((6, 5)).astype(np.float32)
     grads = [rng.standard_normal((6, 5)).astype(np.float32) for _ in range(3)]
@@ -391,7 +396,8 @@ def test_mixed_precision_training_keeps_float32_state(policy):
     assert all(v.dtype == "float32" for v in model.trainable_variables)
     assert len(lars.momentums) == len(model.trainable_variables)
     assert all(m.dtype == "float32" for m in lars.momentums)
-    assert all(v.dtype in ("float32", "int64") for v in optimizer.variables)
+    # The step counter: int64 on TensorFlow, int32 on JAX.
+    assert all(v.dtype in ("float32", "int32", "int64") for v in optimizer.variables)
     assert np.isfinite(history.history["loss"]).all()
     for before, v in zip(initial, model.trainable_variables):
         assert np.isfinite(v.numpy()).all()
@@ -436,6 +442,11 @@ _CASES = {
 }
 
 
+# Keras's LossScaleOptimizer branches with a stateless ops.cond on JAX: there it
+# applies inside a traced train step (model.fit, above) but not through the
+# eager `apply` used here (keras-team/keras-core#851).
+@pytest.mark.skipif(BACKEND == "jax", reason="LossScaleOptimizer.apply outside a "
+                    "train step fails on JAX (keras-team/keras-core#851)")
 @pytest.mark.parametrize("case", list(_CASES))
 def test_fp16_lars_fails_fp32_master_weights_do_not(case):
     w_norm, g_norm, fed, expected_fp16 = _CASES[case]
@@ -472,7 +483,7 @@ def test_fp16_lars_fails_fp32_master_weights_do_not(case):
         initial_scale=_SCALE,
     )
     optimizer.apply(
-        [tf.constant(scaled), tf.zeros([64])],
+        [ops.convert_to_tensor(scaled), ops.zeros([64])],
         [layer.kernel, layer.bias],
     )
     new_w = layer.kernel.numpy()

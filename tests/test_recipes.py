@@ -139,6 +139,27 @@ def test_recipe_values():
         recipes.Settings(**recipe)  # every key is a valid setting
 
 
+@pytest.mark.parametrize("name", sorted(recipes.RECIPES))
+def test_every_recipe_builds_lars_and_its_schedule_and_takes_a_lars_step(name):
+    """On every Keras backend: the JAX tier (.ci/jax) runs this module too."""
+    settings = recipes.Settings.from_recipe(name, scale_lr=True)
+    optimizer, learning_rate = recipes.make_optimizer(settings, 1024, 10, 30)
+    assert type(optimizer) is tfscale.optimizers.LARS
+    assert isinstance(learning_rate, schedules.WarmupPolynomialDecay)
+    peak = settings.peak_learning_rate(1024)
+    warmup = schedules.epochs_to_steps(settings.warmup_epochs, 10)
+    assert lr_at(learning_rate, 0) == 0.0
+    assert lr_at(learning_rate, warmup) == pytest.approx(peak)
+    # The first step at the peak moves a kernel by lr * eeta * ||w||: the
+    # trust ratio's step (momentum has nothing to add yet).
+    kernel = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
+    optimizer.build([kernel])
+    optimizer.iterations.assign(warmup)
+    optimizer.apply([np.full((3, 2), 0.5, np.float32)], [kernel])
+    moved = np.linalg.norm(kernel.numpy() - 1.0)
+    assert moved == pytest.approx(peak * settings.eeta * np.sqrt(6), rel=1e-3)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match=(
             r"`optimizer` must be one of \['sgd', 'lars', 'rmsprop_warmup'\]. "

@@ -12,6 +12,11 @@ stays a small process that starts at once. The first use of any name below
 imports all of tfscale (and registers its Keras serializables: a model saved
 with `tfscale.optimizers.LARS` loads once any tfscale name has been used, or
 after `from tfscale import optimizers`).
+
+Without TensorFlow, on another Keras backend (`KERAS_BACKEND=jax`), the
+backend-neutral toolbox loads alone: `from tfscale import optimizers,
+schedules, recipes, models` (and `batch_growth`). Every other name says in
+one line that it needs TensorFlow.
 """
 
 import importlib
@@ -35,6 +40,10 @@ _NAMES = {
     "Strategy": "tfscale.strategy",
 }
 
+# The toolbox (DESIGN.md, Layers): keras.ops or plain Python, no TensorFlow.
+# Without TensorFlow each loads by itself instead of with everything.
+_BACKEND_NEUTRAL = ("batch_growth", "optimizers", "recipes", "schedules")
+
 __all__ = sorted(_NAMES)
 
 
@@ -53,6 +62,8 @@ def _load_all():
 
 def __getattr__(name):
     if name in _NAMES:  # a public name loads them all (see the module)
+        if name in _BACKEND_NEUTRAL and _requirements.tensorflow_missing():
+            return importlib.import_module(f"tfscale.{name}")
         _load_all()
         return globals()[name]
     # A submodule used as an attribute (`tfscale.strategy.X` after `import

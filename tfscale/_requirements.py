@@ -14,9 +14,15 @@ EXTRAS = {
     "imagenet": ("tensorflow_datasets", "importlib_resources"),
 }
 
-TENSORFLOW_MISSING = (
-    'tfscale needs TensorFlow: pip install "tfscale[cpu]" (or [gpu], [tensorflow]: '
-    "the build you want)")
+
+def needs_tensorflow(what):
+    """The one line saying that `what` (`"tfscale"`,
+    `"tfscale.optimizers.HALP"`) needs TensorFlow, and how to install it."""
+    return (f'{what} needs TensorFlow: pip install "tfscale[cpu]" (or [gpu], '
+            "[tensorflow]: the build you want)")
+
+
+TENSORFLOW_MISSING = needs_tensorflow("tfscale")
 
 
 def tensorflow_missing():

@@ -1,7 +1,6 @@
 """Dynamic loss scaling whose skip decision agrees across workers."""
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 
@@ -80,6 +79,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             A boolean scalar tensor, identical on all replicas.
         """
         local_finite = super().check_finite(grads)
+        if keras.backend.backend() != "tensorflow":
+            # tf.distribute's replicas are TensorFlow's alone. On JAX,
+            # keras.distribution runs one program over global arrays: the
+            # gradients checked are already the global ones, the same in
+            # every process.
+            return local_finite
+        import tensorflow as tf  # the TensorFlow backend only
+
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return local_finite
