@@ -169,7 +169,7 @@ def test_split_smaller_than_a_global_batch_is_refused():
 
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="Unknown data set: 'cifar'. Known: "
-                       "digits, imagenet, synthetic"):
+                       "digits, fashion_mnist, imagenet, synthetic"):
         data.spec("cifar")
     with pytest.raises(ValueError, match="`split` must be 'train' or 'test'. "
                        "Received: split='validation'"):

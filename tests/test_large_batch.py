@@ -75,14 +75,20 @@ def test_a_line_cut_short_by_a_crash_costs_only_its_own_run(tmp_path):
     results.append(path, {"key": "b", "final_accuracy": 80.0})
     assert results.load(path) == {"a": {"key": "a", "final_accuracy": 90.0},
                                   "b": {"key": "b", "final_accuracy": 80.0}}
+    # One line per record, the cut one on its own: no blank lines.
+    lines = open(path, encoding="utf-8").read().splitlines()
+    assert len(lines) == 3 and all(lines), lines
 
 
 @pytest.mark.multiworker
 @needs_fashion_mnist
-def test_one_row_on_two_workers_gives_the_one_worker_weights(tmp_path):
-    # The same global batches (example-level sharding) and BatchNorm over
-    # the global batch: only the all-reduce's summation order differs.
-    args = ["--rows=lars@8192", "--epochs=1", "--warmup_epochs=0.5",
+def test_one_row_on_two_workers_gives_the_one_worker_weights_up_to_rounding(tmp_path):
+    # The same global batches (example-level sharding) and BatchNorm over the
+    # global batch: only the order of float sums differs, and what that
+    # rounding becomes after 7 LARS updates at learning rate 10. In float64
+    # (but fc2, float32 by design) it moved no weight by more than 0.002
+    # (docs/large_batch.md, "On 2 workers").
+    args = ["--rows=lars@8192", "--epochs=1", "--warmup_epochs=0.5", "--float64",
             "--seeds=1", "--lars_learning_rates=10", "--doc=", "--plot="]
     for workers in (1, 2):
         run = multiworker.run_module(
@@ -93,11 +99,12 @@ def test_one_row_on_two_workers_gives_the_one_worker_weights(tmp_path):
     one, two = (json.loads((tmp_path / f"runs{w}.jsonl").read_text())
                 for w in (1, 2))
     assert (one["workers"], two["workers"]) == (1, 2)
+    assert one["precision"] == two["precision"] == "float64"
     assert one["updates"] == two["updates"] == 7
     (name,) = os.listdir(tmp_path / "weights1")
-    absolute, relative = compare.differences(
+    absolute, _ = compare.differences(
         tmp_path / "weights1" / name, tmp_path / "weights2" / name)
-    assert relative < 1e-4, (absolute, relative)
+    assert absolute < 0.01, absolute
     assert abs(one["final_accuracy"] - two["final_accuracy"]) <= 0.05
 
 

@@ -56,9 +56,11 @@ A run is a row on disk (`--results`, JSON lines) the moment it finishes:
 a rerun skips the runs already there, so an interrupted study continues where
 it stopped. Under `tfscale-launch --num_workers=N` every run trains on N
 workers through `tfscale.Strategy`, with BatchNorm over the global batch
-(`synchronized=True`): the same global batches as one worker, so the same
-weights up to float32 rounding (`--weights_dir` keeps each run's weights;
-`python -m tfscale.launch.studies.large_batch.compare A B` compares two).
+(`synchronized=True`): the same global batches as one worker, the same
+computation but for the order of float sums (`--weights_dir` keeps each
+run's weights; `python -m tfscale.launch.studies.large_batch.compare A B`
+compares two; `--float64` computes the float32 rows in float64, to tell
+that rounding from a real difference; docs/large_batch.md, "On 2 workers").
 
 Writes the table, the targets and the plot into `--doc` between its
 `<!-- results -->` markers (the page's own text stays), and `--plot`.

@@ -88,8 +88,9 @@ def main(argv):
     if not FLAGS.report_only and not train_missing(runs, done):
         return  # a worker other than the chief: the chief reports
     records = [done[run.key] for run in runs if run.key in done]
+    # The command that trains these runs: --report_only only reads them.
     command = " ".join(["python -m tfscale.launch.studies.large_batch",
-                        *sys.argv[1:]])
+                        *(a for a in sys.argv[1:] if a != "--report_only")])
     lines = [*report.table(rows, records), "", *report.targets(records)]
     print("\n".join(lines), flush=True)
     if FLAGS.plot and records:

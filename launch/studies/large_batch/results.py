@@ -28,11 +28,14 @@ def load(path):
 def append(path, record):
     """Adds one finished run to `path`, on disk before this returns."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as f:
+    with open(path, "ab+") as f:
         # After a line cut short by a crash: start a new line, or the
         # record would be glued to it and lost with it.
-        if f.tell() and (f.seek(f.tell() - 1) or f.read(1) != "\n"):
-            f.write("\n")
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(json.dumps(record, sort_keys=True).encode("utf-8") + b"\n")
         f.flush()
         os.fsync(f.fileno())

@@ -107,13 +107,19 @@ class Run:
     learning_rate: float
     seed: int
     epochs: int
+    float64: bool = False  # --float64: a float32 row computed in float64
 
     @property
     def key(self):
         """What identifies the run on disk: a rerun with other epochs is
         another run."""
         return (f"{self.row.id}|lr={self.learning_rate:g}|seed={self.seed}"
-                f"|epochs={self.epochs}")
+                f"|epochs={self.epochs}" + ("|float64" if self.float64 else ""))
+
+    @property
+    def policy(self):
+        """The Keras dtype policy the run trains under."""
+        return "float64" if self.float64 else self.row.precision
 
 
 def all_rows():
@@ -151,5 +157,6 @@ def runs(rows):
             rates = [rates[len(rates) // 2]]
         for learning_rate in rates:
             for seed in range(1 if FLAGS.quick else FLAGS.seeds):
-                result.append(Run(row, learning_rate, seed, FLAGS.epochs))
+                result.append(Run(row, learning_rate, seed, FLAGS.epochs,
+                                  FLAGS.float64))
     return result

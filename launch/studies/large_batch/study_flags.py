@@ -58,6 +58,11 @@ def define_flags():
     flags.DEFINE_string("weights_dir", None,
                         "Keep each run's final weights here (.npz, chief "
                         "only), to compare runs on 1 and N workers.")
+    flags.DEFINE_bool("float64", False,
+                      "Compute the float32 rows in float64 (fc2 stays float32): "
+                      "to tell float32's rounding from a real difference "
+                      "between 1 and N workers (docs/large_batch.md, \"On 2 "
+                      "workers\").")
     flags.DEFINE_bool("report_only", False,
                       "Train nothing: report the runs on disk.")
 
@@ -87,6 +92,24 @@ def check_flags():
         raise app.UsageError(
             "--warmup_epochs must be shorter than --epochs. Received: "
             f"warmup_epochs={FLAGS.warmup_epochs}, epochs={FLAGS.epochs}")
+    other = [row.id for row in rows.selected_rows() if row.precision != "float32"]
+    if FLAGS.float64 and other:
+        raise app.UsageError(
+            "--float64 computes float32 rows in float64; --rows must not name "
+            f"rows of other precisions. Received: {', '.join(other)}")
+    if any(row.method == "batch_growth" for row in rows.selected_rows()):
+        check_growth()
+    # Every row's settings, checked by Settings itself.
+    try:
+        for row in rows.selected_rows():
+            for learning_rate in row.learning_rates():
+                row.settings(learning_rate)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+
+
+def check_growth():
+    """--growth must grow the first batch to the largest within training."""
     largest = max(int(b) for b in FLAGS.batches)
     try:
         events = parse_batch_schedule(FLAGS.growth)
@@ -103,10 +126,3 @@ def check_flags():
         raise app.UsageError(
             f"--growth must grow batch {rows.GROWTH_START_BATCH} to the "
             f"largest of --batches ({largest}); it reaches {grown}.")
-    # Every row's settings, checked by Settings itself.
-    try:
-        for row in rows.selected_rows():
-            for learning_rate in row.learning_rates():
-                row.settings(learning_rate)
-    except ValueError as error:
-        raise app.UsageError(str(error)) from None

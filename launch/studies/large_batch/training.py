@@ -63,7 +63,10 @@ def train(run, strategy):
     start = time.perf_counter()
     row = run.row
     settings = row.settings(run.learning_rate)
-    keras.mixed_precision.set_global_policy(row.precision)
+    # floatx too: the loss and the other values Keras makes without a
+    # layer's policy.
+    keras.config.set_floatx("float64" if run.float64 else "float32")
+    keras.mixed_precision.set_global_policy(run.policy)
     keras.utils.set_random_seed(run.seed)
     steps_per_epoch = row.steps_per_epoch
     with strategy.scope():
@@ -82,7 +85,7 @@ def train(run, strategy):
 
     class TestAccuracy(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            accuracy.append(test_accuracy(model, test_images, test_labels))
+            accuracy.append(round(test_accuracy(model, test_images, test_labels), 2))
 
     phases = recipes.batch_phases(settings, row.first_batch, steps_per_epoch,
                                   run.epochs)
@@ -101,7 +104,7 @@ def train(run, strategy):
                   callbacks=[TestAccuracy()], verbose=0)
     record = dict(
         key=run.key, row=row.id, method=row.method, batch=row.batch,
-        precision=row.precision, learning_rate=run.learning_rate,
+        precision=run.policy, learning_rate=run.learning_rate,
         peak_learning_rate=settings.peak_learning_rate(row.first_batch),
         seed=run.seed, epochs=run.epochs, accuracy=accuracy,
         final_accuracy=accuracy[-1], updates=int(optimizer.iterations.numpy()),
