@@ -10,8 +10,8 @@ classes. The same four `.gz` files are found, in this order:
    `~/.keras/datasets/fashion-mnist/`;
 3. Debian's `dataset-fashion-mnist` package: `/usr/share/datasets/fashion-mnist/`.
 
-No TensorFlow here: tfscale-train checks that the files exist before it
-starts workers.
+No TensorFlow here: `find` is a check of files alone, which tfscale-train
+runs with its flags, before it builds a model.
 """
 
 import functools

@@ -11,6 +11,7 @@ from tfscale import data
 from tfscale import models
 from tfscale import optimizers
 from tfscale import recipes
+from tfscale.optimizers import exclusion
 
 FLAGS = flags.FLAGS
 
@@ -18,10 +19,6 @@ IMAGE_SIZE = 28  # the images as stored
 # alexnet_bn_small at 28x28: width 8, fc1 64 (52K parameters).
 MODEL_WIDTH = 8
 MODEL_FC_UNITS = 64
-# Patterns of the model's BatchNorm parameters and biases (its paths:
-# "conv1_bn/gamma", "fc1/bias"): what lars_decay_all still keeps from layer
-# adaptation while decaying them.
-_BN_AND_BIASES = ("_bn/", "bias")
 
 class NaiveHalfPrecisionLARS(optimizers.LARS):
     """LARS whose norms, trust ratio and update run in the variable's own
@@ -41,7 +38,9 @@ def make_optimizer(run, settings, steps_per_epoch):
             learning_rate=schedule, momentum=settings.momentum,
             weight_decay_rate=settings.weight_decay, eeta=settings.eeta,
             exclude_from_weight_decay=[],
-            exclude_from_layer_adaptation=list(_BN_AND_BIASES))
+            # Still kept from layer adaptation: LARS's own default patterns
+            # (this model's BatchNorm parameters and biases).
+            exclude_from_layer_adaptation=list(exclusion.DEFAULT_EXCLUDE))
     if run.row.method == "lars_half":
         return NaiveHalfPrecisionLARS(
             learning_rate=schedule, momentum=settings.momentum,
