@@ -5,6 +5,7 @@ commands run end to end and write what they promise (the JSON schema, the
 PNG), not the numbers.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from tfscale.launch.bench import report
+from tfscale.launch.bench import train
 from multiworker import REPO_ROOT
 
 pytestmark = pytest.mark.multiworker
@@ -184,6 +186,52 @@ def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
         assert f"# auto float32: {plan['call']}: " in stdout
     assert any(any(plan["mix_span_milliseconds"]) for plan in decided), row["autotune"]
     assert "(auto: after 23 more for its trials and decision)" in stdout
+
+
+JAX_MISSING = (None if importlib.util.find_spec("jax") else
+               'needs JAX beside TensorFlow: pip install "tfscale[jax]"')
+
+
+@pytest.mark.skipif(JAX_MISSING is not None, reason=JAX_MISSING or "")
+def test_train_against_keras_on_jax_trains_the_same_losses_and_times_both(tmp_path):
+    output = tmp_path / "train.json"
+    stdout = bench(
+        tmp_path, "train", "--num_workers=2", "--model=alexnet_bn", "--image_size=67",
+        "--fc_units=16", "--per_worker_batch=2", "--steps=2", "--warmup_steps=1",
+        "--precisions=float32", "--algorithms=stock,jax", f"--output={output}",
+        timeout=420)
+    stock, jax_row = json.loads(output.read_text())
+    assert jax_row["config"] == "jax" and jax_row["exposed_communication_seconds"] is None
+    assert jax_row["gradient_floats"] == stock["gradient_floats"]
+    # Both started from the same weights and trained the same batch: after
+    # 3 steps JAX's loss (DataParallel over 2 processes) is TensorFlow's one
+    # worker's, within the bench's tolerance, and the loss moved.
+    reference = stock["single_worker_losses"]
+    assert reference[2] < reference[0]
+    assert jax_row["loss_after_steps"] == jax_row["losses"][2]
+    assert jax_row["loss_after_steps"] == pytest.approx(reference[2], rel=train.LOSS_TOLERANCE)
+    assert stock["loss_after_steps"] == pytest.approx(reference[2], rel=1e-5)
+    assert "jax within 1%: yes" in stdout
+    # Its 1-worker rate is one JAX process's, and its efficiency is against it.
+    assert jax_row["single_worker_images_per_second"] != stock["single_worker_images_per_second"]
+    assert jax_row["scaling_efficiency"] == pytest.approx(
+        jax_row["images_per_second"] / (2 * jax_row["single_worker_images_per_second"]))
+    assert re.search(r"\njax +float32 +\d", stdout), stdout[-3000:]
+
+
+def test_train_against_jax_without_jax_says_what_to_install(tmp_path):
+    # sys.modules["jax"] = None makes `import jax` fail, as where it is absent.
+    process = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['jax'] = None; "
+         "from tfscale.launch.bench import run; run()", "train", "--algorithms=stock,jax"],
+        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, timeout=120)
+    assert process.returncode == 1, process.stderr[-3000:]
+    assert process.stderr.strip().splitlines()[-1] == (
+        "tfscale-bench train: --algorithms=jax trains on Keras's JAX backend, and JAX is "
+        'not installed here: pip install "tfscale[jax]" (jax[cpu]), or leave jax out of '
+        "--algorithms.")
+    assert "launching" not in process.stdout
 
 
 def test_each_subcommand_lists_its_own_flags_in_help(tmp_path):

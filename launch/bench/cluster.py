@@ -21,6 +21,9 @@ STOCK = "stock"  # TF's own MultiWorkerMirroredStrategy all-reduce
 # step's end (one 4-byte all-reduce); no gradient is sent. Its step is what
 # synchronous training costs with a free link, on the same shared cores.
 LOCKSTEP = "lockstep"
+# train only: Keras 3 on JAX with keras.distribution.DataParallel, the same
+# model, data and optimizer (jax_train_worker.py); needs tfscale[jax].
+JAX = "jax"
 NO_COMPRESSION = "none"  # --compression value: float32 on the wire
 
 FLAGS = flags.FLAGS
@@ -40,7 +43,8 @@ def define_flags():
         f"{STOCK} (TF's own all-reduce) and/or tfscale algorithms "
         f"({', '.join(communication_names.ALGORITHMS)}); train also {LOCKSTEP} (workers "
         "wait for each other every step and send no gradients: the floor of "
-        "synchronous training).")
+        f"synchronous training) and {JAX} (Keras 3 on JAX with keras.distribution."
+        "DataParallel: the same model, data and optimizer; needs tfscale[jax]).")
     flags.DEFINE_list(
         "compression", [NO_COMPRESSION],
         "Wire formats for the tfscale algorithms: "

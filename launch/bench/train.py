@@ -33,8 +33,19 @@ global policy float32 or mixed_bfloat16):
   the least-waiting worker (the one the others wait for) is the communication
   not hidden behind backprop, without the CPU contention that
   T_step(N) - T_compute also counts.
+
+`jax` (in --algorithms) is what Keras's maintainers point multi-worker users
+to (keras#20585): Keras 3 on JAX with `keras.distribution.DataParallel`, its
+gradients all-reduced by JAX's CPU collectives (gloo). It trains the same
+model on the same batch with the same optimizer, timed alike
+(jax_train_worker.py), from the weights the `single` launch built; its
+1-worker images/s is its own, one JAX process alone (`jax_single`). Every
+worker trains the same batch, so N workers compute one worker's loss: the
+bench checks that JAX's loss after the same steps is within
+`LOSS_TOLERANCE` of TensorFlow's one worker, and fails if it is not.
 """
 
+import importlib.util
 import itertools
 import os
 import shutil
@@ -50,7 +61,12 @@ from tfscale.launch.bench import stats
 
 FLAGS = flags.FLAGS
 # Configurations without a tfscale algorithm: one launch each, no threshold.
-_BASELINES = (cluster.STOCK, cluster.LOCKSTEP)
+_BASELINES = (cluster.STOCK, cluster.LOCKSTEP, cluster.JAX)
+# How far Keras on JAX's float32 loss may be from TensorFlow's after the same
+# steps, relative. The two backends run different kernels (XLA's, oneDNN's),
+# whose float32 rounding differs, and every update carries the difference
+# on; see BENCHMARKS.md, "Training throughput", for what was measured.
+LOSS_TOLERANCE = 1e-2
 
 
 def define_flags():
@@ -87,7 +103,8 @@ def define_flags():
                       "images/s per configuration next to it.")
 
 
-def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
+def summarize(single, launches, num_workers, per_worker_batch, thresholds=None,
+              jax_single=None):
     """Rows per (configuration, precision) from the worker outputs.
 
     Args:
@@ -95,12 +112,19 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
         launches: `{name: outputs}` of the N-worker launches.
         thresholds: `{name: fusion threshold in bytes}` of the tfscale
             launches (stock has none).
+        jax_single: the `jax_single` launch's outputs (one JAX process), the
+            1-worker baseline of the `jax` rows.
     """
     thresholds = thresholds or {}
-    t1 = {r["precision"]: statistics.median(r["step_seconds"])
-          for r in single[0]["runs"] if r["phase"] == "compute"}
+
+    def alone(outputs):
+        return {r["precision"]: statistics.median(r["step_seconds"])
+                for r in outputs[0]["runs"] if r["phase"] == "compute"}
+
+    tensorflow_t1 = alone(single)
     rows = []
     for name, outputs in launches.items():
+        t1 = alone(jax_single) if name == cluster.JAX else tensorflow_t1
         for precision in t1:
             dist = [_run(o, precision, "distributed") for o in outputs]
             compute = [_run(o, precision, "compute") for o in outputs]
@@ -128,6 +152,9 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None):
             })
             rows[-1]["gradient_floats"] = _run(outputs[0], precision, "distributed",
                                                "gradient_floats")
+            rows[-1]["losses"] = _run(outputs[0], precision, "distributed", "losses")
+            rows[-1]["single_worker_losses"] = _run(single[0], precision, "compute",
+                                                    "losses")
             buckets = _run(outputs[0], precision, "distributed", "gradient_buckets")
             if buckets:
                 rows[-1]["gradient_buckets"] = buckets
@@ -226,7 +253,13 @@ def table(rows):
 def main():
     """Runs train with its flags; prints the table, writes JSON (and PNG)."""
     configs = cluster.configs(more_compressions=(communication_names.POWERSGD,),
-                              more_baselines=(cluster.LOCKSTEP,))
+                              more_baselines=(cluster.LOCKSTEP, cluster.JAX))
+    with_jax = any(algorithm == cluster.JAX for _, algorithm, _ in configs)
+    if with_jax and importlib.util.find_spec("jax") is None:
+        raise RuntimeError(
+            f"--algorithms={cluster.JAX} trains on Keras's JAX backend, and JAX is not "
+            'installed here: pip install "tfscale[jax]" (jax[cpu]), or leave jax out '
+            "of --algorithms.")
     thresholds = fusion_thresholds()
     spec = {
         "command": "train", "model": FLAGS.model,
@@ -241,8 +274,16 @@ def main():
     }
     work_dir = tempfile.mkdtemp(prefix="tfscale-bench-train-")
     try:
+        if with_jax:
+            # The weights and batch that every launch trains from, for JAX.
+            spec["reference_path"] = os.path.join(work_dir, "reference.npz")
         single = cluster.launch_workers(dict(spec, kind="single", name="single"), work_dir,
                                         "single", num_workers=1, emulate=False)
+        jax_single = None
+        if with_jax:
+            jax_single = cluster.launch_workers(
+                dict(spec, kind=cluster.JAX, name="jax_single"), work_dir, "jax_single",
+                num_workers=1, emulate=False)
         launches, launch_thresholds = {}, {}
         for name, algorithm, compression, threshold in _launches(configs, thresholds):
             kind = algorithm if algorithm in _BASELINES else "tfscale"
@@ -255,7 +296,7 @@ def main():
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     rows = summarize(single, launches, FLAGS.num_workers, FLAGS.per_worker_batch,
-                     launch_thresholds)
+                     launch_thresholds, jax_single)
     ctx = cluster.context()
     for row in rows:
         if "powersgd" in row:
@@ -285,6 +326,9 @@ def main():
               "at the end of each step (a 4-byte all-reduce), sending no gradients: "
               "what synchronizing every step costs on these cores with nothing sent; "
               "e vs lockstep = lockstep's step / step")
+    if with_jax:
+        print(f"# {cluster.JAX} = Keras 3 on JAX, keras.distribution.DataParallel over "
+              "N processes (gloo); its 1 worker images/s is one JAX process alone")
     print("# in-step wait = exposed_communication_seconds per step (stock: its own "
           "all-reduce, timed alike): time from the last gradient ready to the last "
           "all-reduce done, median over steps of the least-waiting worker; "
@@ -304,6 +348,10 @@ def main():
                   f"(of {', '.join(plan['candidates'])})"
                   + ("; the timed steps ran it traced as a fixed plan"
                      if plan.get("retraced") else ""))
+    mismatch = None
+    if with_jax:
+        line, mismatch = loss_check(rows, FLAGS.warmup_steps + FLAGS.steps)
+        print(line)
     if FLAGS.output:
         stats.write_json(rows, FLAGS.output)
         print(f"tfscale-bench: wrote {len(rows)} rows to {FLAGS.output}")
@@ -311,7 +359,41 @@ def main():
             path = os.path.splitext(FLAGS.output)[0] + ".png"
             _plot(rows, path, f"{FLAGS.model} training\n{stats.describe_cluster(ctx)}")
             print(f"tfscale-bench: wrote {path}")
+    if mismatch:
+        raise RuntimeError(mismatch)
     return rows
+
+
+def loss_check(rows, steps, precision="float32"):
+    """Every configuration's loss after `steps` steps against TensorFlow's
+    one worker (the same weights, batch and optimizer; every worker trains
+    the same batch, so N workers compute one worker's loss).
+
+    Returns:
+        (the line to print, None or the error when the JAX run is further
+        than LOSS_TOLERANCE from TensorFlow's).
+    """
+    rows = [r for r in rows if r["precision"] == precision]
+    if not rows:
+        return f"# loss check: no {precision} run", None
+    reference = rows[0]["single_worker_losses"][steps - 1]
+    parts, mismatch = [], None
+    for row in rows:
+        loss = row["losses"][steps - 1]
+        row["loss_after_steps"] = loss
+        row["loss_vs_single_worker"] = loss / reference - 1
+        parts.append(f"{row['config']} {loss:.5f} ({row['loss_vs_single_worker']:+.2e})")
+        if row["config"] == cluster.JAX and abs(row["loss_vs_single_worker"]) > LOSS_TOLERANCE:
+            mismatch = (f"Keras on JAX's loss after {steps} steps, {loss:.5f}, is "
+                        f"{row['loss_vs_single_worker']:+.2%} from TensorFlow's one worker "
+                        f"({reference:.5f}); more than {LOSS_TOLERANCE:.0%} means the two "
+                        "do not train the same thing, so their speeds are not comparable.")
+    line = (f"# loss after {steps} steps ({precision}, fit's running mean; the same "
+            f"weights, batch and optimizer everywhere): 1 worker on TensorFlow "
+            f"{reference:.5f}; " + "; ".join(parts) + " (relative difference); "
+            f"{cluster.JAX} within {LOSS_TOLERANCE:.0%}: "
+            + ("no" if mismatch else "yes"))
+    return line, mismatch
 
 
 def fusion_thresholds():

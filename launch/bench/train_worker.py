@@ -9,18 +9,21 @@ of each step: synchronous training without gradients). Both strategies time
 their all-reduces the same way (`exposed_communication_seconds`). Under a
 strategy a worker first trains the model alone, while the other workers do
 the same, then under the strategy (or in lockstep); train.py turns the step
-times into rows.
+times into rows. Every run also keeps fit's loss after each step, and the
+`single` worker writes its initial weights and batch for the JAX workers
+(jax_train_worker.py) when `spec["reference_path"]` is set.
 """
 
 import contextlib
+import os
 import statistics
 
 import keras
 import numpy as np
 
-from tfscale import models
 import tfscale
 from tfscale.launch.bench import cluster
+from tfscale.launch.bench import train_model
 from tfscale import agreement
 from tfscale import callbacks
 from tfscale import collectives
@@ -77,6 +80,19 @@ def _strategy(spec):
     return None
 
 
+class _Losses(keras.callbacks.Callback):
+    """fit's loss after every step (the running mean over the epoch, as
+    Keras reports it on every backend), for train.py's comparison with the
+    JAX backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
 class _Lockstep(keras.callbacks.Callback):
     """Ends each step when every worker has ended it (`barrier`: one
     all-reduce of 1.0) and keeps each step's sum, the workers that joined."""
@@ -113,16 +129,16 @@ def _fit(spec, strategy, extra_callbacks=()):
         step, measured in the step) under a strategy.
     """
     size = spec["image_size"]
-    options = {"fc_units": spec["fc_units"]} if spec["model"] == "alexnet_bn" else {}
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = models.get(spec["model"], num_classes=1000,
-                           input_shape=(size, size, 3), **options)
+        model = train_model.build(spec)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batch = spec["per_worker_batch"]
     if strategy is None:
         dataset = data.synthetic(batch, size)
+        if spec.get("reference_path") and not os.path.exists(spec["reference_path"]):
+            _write_reference(spec["reference_path"], model, dataset)
     else:
         global_batch = batch * strategy.num_replicas_in_sync
         dataset = strategy.distribute_datasets_from_function(
@@ -133,12 +149,13 @@ def _fit(spec, strategy, extra_callbacks=()):
     # function traced again with the choice) are not what is timed.
     warmup = spec["warmup_steps"] + (
         collectives.autotune.DECIDED_BY_STEP if autotune is not None else 0)
+    losses = _Losses()
     model.fit(dataset, epochs=1, steps_per_epoch=warmup + spec["steps"],
-              callbacks=[*extra_callbacks, timer], verbose=0)
+              callbacks=[*extra_callbacks, losses, timer], verbose=0)
     # The model's gradients: what a plain all-reduce sends each step (PowerSGD
     # sends less, lockstep nothing). The size depends on --image_size:
     # AlexNet-BN has 50.8 M parameters at 224 x 224, 62.4 M at 227 x 227.
-    timed = {"step_seconds": timer.step_seconds[warmup:],
+    timed = {"step_seconds": timer.step_seconds[warmup:], "losses": losses.losses,
              "gradient_floats": sum(int(np.prod(v.shape)) for v in model.trainable_variables)}
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
@@ -153,6 +170,18 @@ def _fit(spec, strategy, extra_callbacks=()):
         timed["autotune"] = _autotune_report(autotune)
         timed["autotune_decided_by_step"] = collectives.autotune.DECIDED_BY_STEP
     return timed
+
+
+def _write_reference(path, model, dataset):
+    """The initial weights and the batch every worker trains on (each
+    worker's synthetic batch is the same), for the JAX workers: written
+    whole or not at all."""
+    images, labels = next(iter(dataset))
+    arrays = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, images=images.numpy(), labels=labels.numpy(),
+                 num_weights=len(arrays), **arrays)
+    os.replace(path + ".tmp", path)
 
 
 def _autotune_report(autotune):

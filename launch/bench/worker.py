@@ -18,13 +18,16 @@ _MEASURES = {
     "scale": "tfscale.launch.bench.scale_worker",
     "fixedcost": "tfscale.launch.bench.fixedcost_worker",
 }
+# `tfscale-bench train --algorithms=jax`: Keras on JAX, without TensorFlow.
+_JAX_TRAIN = "tfscale.launch.bench.jax_train_worker"
 
 
 def main(spec_path):
     """Measures what the spec at `spec_path` asks for; writes the result."""
     with open(spec_path) as f:
         spec = json.load(f)
-    module = importlib.import_module(_MEASURES[spec["command"]])
+    name = _JAX_TRAIN if spec.get("kind") == "jax" else _MEASURES[spec["command"]]
+    module = importlib.import_module(name)
     result = module.measure(spec)
     path = f"{spec['out_prefix']}-{result['rank']}.json"
     # Written whole or not at all: the launcher reads every worker's file.
