@@ -77,9 +77,9 @@ the same branches, so their keys agree), a step runs one; each tensor's
 result is then taken from the plan of the step's threshold. Each bucket's
 case starts after the one before it has its result, in the plan's order,
 as a fixed algorithm's collectives follow their group's ordering token
-(without that order every ready bucket's collectives would run at once). A bucket's
-time is its own case's, from its tensors and the previous bucket's
-results ready (`_stamped`) to its result.
+(without that order every ready bucket's collectives would run at once).
+A bucket's time is its own case's, from its tensors and the previous
+bucket's results ready (`_stamped`) to its result.
 
 After the decision a function is traced again (`retrace_due`: Keras's
 `fit` does it after the batch, tfscale/fit_hooks.py): each all-reduce whose
@@ -89,8 +89,9 @@ would get. Cases cannot run it as fast: every output of a branch waits for
 every stateful op of the branch (`tf.function`'s automatic control
 dependencies make each branch's returns wait for all its collectives), so
 one bucket's next stage never overlaps the previous bucket's last, as a
-fixed plan's stages on different groups do. A custom training loop that does not build its `tf.function` again keeps
-running the choice through the cases, correctly.
+fixed plan's stages on different groups do. A custom training loop that
+does not build its `tf.function` again keeps running the choice through
+the cases, correctly.
 """
 
 import dataclasses

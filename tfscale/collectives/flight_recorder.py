@@ -26,7 +26,8 @@ FlightRecorder.hpp: a ring buffer of the last collectives per rank, dumped
 on a timeout) and Horovod's stall inspector (horovod/common/
 stall_inspector.cc: which ranks have not submitted a tensor the others wait
 on). Its cost per collective and per step: BENCHMARKS.md, section "The
-flight recorder's cost" (`python -m tfscale.launch.studies.flight_recorder_cost`).
+flight recorder's cost" (`python -m
+tfscale.launch.studies.flight_recorder_cost`).
 """
 
 import contextlib
