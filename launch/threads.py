@@ -7,10 +7,10 @@ threads per core. torchrun sets OMP_NUM_THREADS=1 when it starts several
 processes per node "to avoid your system being overloaded"
 (torch/distributed/run.py); tfscale-launch gives each worker
 `cores // workers` threads, at least one, unless the launcher's environment
-sets TF_NUM_INTRAOP_THREADS. Measured in synchronous training, 4 workers on
-2 cores: steps shorter than with TensorFlow's default pools (BENCHMARKS.md,
-sections "One intra-op thread per worker" and "What synchronizing every step
-costs").
+sets TF_NUM_INTRAOP_THREADS. A synchronous step waits for the slowest worker,
+which oversubscribed cores slow down; with the share, steps are shorter than
+with TensorFlow's default pools (to compare: `tfscale-bench train` with and
+without TF_NUM_INTRAOP_THREADS set to the number of cores).
 """
 
 import os

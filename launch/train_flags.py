@@ -107,7 +107,8 @@ def _define_job_flags():
         "kernels by speed); tfscale's bitwise claims hold on CPU without "
         "it, except between two runs across nodes under the default "
         "algorithm, auto, which chooses by timings (with it, by the cost "
-        "model). Its cost: BENCHMARKS.md.")
+        "model). Its cost on CPU: BENCHMARKS.md, section \"Mixed precision "
+        "and op determinism on one worker\".")
     flags.DEFINE_string(
         "model_dir", None,
         "Directory for checkpoints of the whole training state (every "
@@ -268,7 +269,7 @@ def _define_optimization_flags():
     flags.DEFINE_enum(
         "precision", defaults.precision, recipe_settings.PRECISIONS,
         "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
-        "(oneDNN bfloat16 kernels) but is 6-14x SLOWER on CPUs without it, "
+        "(oneDNN bfloat16 kernels) but is many times SLOWER on CPUs without it, "
         "where TensorFlow falls back to Eigen (python -m "
         "tfscale.launch.studies.precision_speed measures yours); mixed_float16 is "
         "for GPUs and adds dynamic loss scaling that agrees across workers.",

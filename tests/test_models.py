@@ -123,7 +123,7 @@ def test_alexnet_bn_parameter_counts():
     assert model.output.shape == (None, 1000)
     # At 224 x 224 (the training benchmarks' input) pool5 is 5 x 5: fc6,
     # and so every step's gradients, shrink (BENCHMARKS.md, section
-    # "Training throughput, scaling efficiency and exposed communication").
+    # "Training throughput: tfscale, stock and Keras on JAX").
     at_224 = models.alexnet_bn(input_shape=(224, 224, 3))
     assert at_224.get_layer("pool5").output.shape == (None, 5, 5, 256)
     assert _count(at_224.trainable_weights) == 50_845_896

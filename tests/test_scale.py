@@ -1,8 +1,8 @@
 """9 workers on 3 emulated nodes of 3 (tfscale-bench scale): every algorithm
 trains a BN-free model on an uneven global batch as one worker does. (16
 workers on 4 nodes: `tfscale-bench scale --worker_counts=16 --num_workers=16
---emulate_nodes=4`; BENCHMARKS.md, section "Many workers: start-up, memory,
-and every algorithm on an uneven batch". 9 keeps the suite short and is
+--emulate_nodes=4`; BENCHMARKS.md, section "Many workers: start-up and
+memory". 9 keeps the suite short and is
 odd three ways: the workers, the nodes and the workers on each node; for
 halving-doubling, 9 is 8 that pair up in three rounds and one folded in.)"""
 

@@ -43,11 +43,11 @@ DEFAULT_TIMEOUT_SECONDS = 600
 # tfscale-train's --heartbeat_timeout: how long TensorFlow's coordination
 # service waits for a worker's heartbeat. TensorFlow's 10 s gives each
 # heartbeat 5 s to be answered, and heartbeats share the gRPC channel with
-# the tensors: behind the 203 MB broadcast of
-# AlexNet-BN's weights on a 200 Mbit/s link one took longer, and the job
-# stopped (BENCHMARKS.md, "Heartbeats behind a saturated link"). 60 s gives
-# 30 s. The price: a lost peer is noticed later, unless a launcher stops the
-# job first as tfscale-launch does (measured with
+# the tensors: behind the broadcast of AlexNet-BN's 203 MB of weights on a
+# 200 Mbit/s link (about 8 s) a reply waits longer, and the job stops
+# (docs/failures.md, the row on a slow link). 60 s gives 30 s. The price: a
+# lost peer is noticed later, unless a launcher stops the job first as
+# tfscale-launch does (measured with
 # tests/reliability/test_worker_failure.py, its HEARTBEAT_TIMEOUT set to 60:
 # the survivor of a SIGKILL stopped after 43 s instead of 10 s).
 DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 60.0

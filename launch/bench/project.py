@@ -71,8 +71,9 @@ def define_flags():
                        "latencies by this (sensitivity check).", lower_bound=0)
     flags.DEFINE_float("op_seconds", None, "The fixed cost of one collective op "
                        "on the paper's hardware; unset: the cited NCCL figure "
-                       "(60 us; see the assumption). 1e-3: TensorFlow's op as "
-                       "measured here (sensitivity check).", lower_bound=0)
+                       "(60 us; see the assumption). 1e-3: about TensorFlow's op on "
+                       "CPU workers, as tfscale-bench fixedcost measures it "
+                       "(sensitivity check).", lower_bound=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,9 @@ def paper_assumptions():
                    "without NVLink in one node (nccl-tests all_reduce_perf, "
                    "github.com/NVIDIA/nccl/issues/1439), 61.6 us for 128 bytes "
                    "across InfiniBand H100 nodes (github.com/NVIDIA/nccl/issues/"
-                   "1453); rounded to 60 us. tfscale measured TensorFlow's op on "
-                   "CPU workers over gRPC at 1.0 ms (2 workers, a core each) to "
-                   "7.7 ms (8 workers on 2 cores), BENCHMARKS.md section 11: "
+                   "1453); rounded to 60 us. TensorFlow's op on CPU workers over "
+                   "gRPC costs a millisecond or more (tfscale-bench fixedcost; "
+                   "BENCHMARKS.md, section \"The fixed cost of one collective\"): "
                    "--op_seconds=1e-3 projects with that instead"),
         Assumption("single-GPU ResNet-50 throughput (images/s)", 218,
                    f"{PAPER}, mixed precision on one P40 (172 in FP32): "

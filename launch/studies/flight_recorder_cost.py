@@ -34,7 +34,9 @@ def define_flags():
                          "per worker).")
     flags.DEFINE_float("step_seconds", 2.61,
                        "The training step it is compared with (ResNet-50, "
-                       "224 px, batch 8, float32: 8 x 325.82 ms, BENCHMARKS.md section 7).")
+                       "224 px, batch 8, float32, on one core: 8 x the ms per "
+                       "image that python -m tfscale.launch.studies.imagenet_input "
+                       "measures there).")
 
 
 def _body(recorder, count):

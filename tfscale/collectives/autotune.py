@@ -12,14 +12,12 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   `fusion_threshold_bytes` and at a quarter of it (8 and 32 MiB by
   default), where they cut the gradients differently. Smaller buffers
   start sooner during backprop and cost more ops; which wins depends on
-  the model and the cluster (on the emulated 2 x 2 cluster 8 MiB buffers
-  shortened ResNet-50's step: BENCHMARKS.md, sections "Training
-  throughput, scaling efficiency and exposed communication" and
-  "`algorithm="auto"`: the job measures its own algorithm"); Horovod's
+  the model and the cluster (`tfscale-bench train
+  --fusion_thresholds=8388608,33554432` compares them); Horovod's
   autotuner tunes its fusion threshold alike (docs/autotune.rst).
 - Candidates (`candidates`): the algorithms that differ on the topology,
   among ring, hierarchical and 2d (halving-doubling is left out: each of
-  its steps is a TensorFlow op of its own, the slowest here;
+  its steps is a TensorFlow op of its own, the slowest on that runtime;
   BENCHMARKS.md, section "The fixed cost of one collective"). One node,
   or one worker per node: only the ring, and nothing to try. The cost
   model orders them (its fastest prediction for the plan first) and
@@ -43,10 +41,9 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   on a tie). In one round the minimum is about the worker whose tensors
   were ready last: no algorithm can start before it, so its time is mostly
   the algorithm's own, where an earlier worker's also counts its wait for
-  the others (the skew between workers, which differs from step to step:
-  with 4 workers on 2 cores hundreds of milliseconds, enough to make a
-  candidate several times slower for a small bucket when the maximum was
-  taken).
+  the others (the skew between workers, which differs from step to step
+  and, where workers share cores, can make a small bucket's candidate
+  look several times slower under the maximum).
   Per round, because the last worker differs between rounds. Where workers
   play different roles the minimum favours the light ones: a worker alone
   in its node skips hierarchical's broadcast inside a node, so on unequal
@@ -55,10 +52,7 @@ candidate algorithm in turn on its real data, and keeps the fastest.
   that mix (each bucket its fastest) is a configuration no trial ran, and
   a bucket's time does not show how it overlaps backprop and the buckets
   around it, so the buckets' fastest together can be slower than one
-  candidate for all (measured so for ResNet-50 on the emulated 2 x 2
-  cluster with AVX-512, with the buckets side by side: BENCHMARKS.md,
-  section "`algorithm="auto"`: the job measures its own algorithm"). So
-  the next K * ROUNDS
+  candidate for all. So the next K * ROUNDS
   steps run the mix at each threshold in turn, its span timed as the
   candidates' were.
 - Decision, in the step after the mix's (after the trials where no bucket
@@ -83,9 +77,9 @@ the same branches, so their keys agree), a step runs one; each tensor's
 result is then taken from the plan of the step's threshold. Each bucket's
 case starts after the one before it has its result, in the plan's order,
 as a fixed algorithm's collectives follow their group's ordering token
-(side by side, every ready bucket's collectives ran at once). A bucket's
-time is its own case's, from its tensors and the previous bucket's
-results ready (`_stamped`) to its result.
+(without that order every ready bucket's collectives would run at once).
+A bucket's time is its own case's, from its tensors and the previous
+bucket's results ready (`_stamped`) to its result.
 
 After the decision a function is traced again (`retrace_due`: Keras's
 `fit` does it after the batch, tfscale/fit_hooks.py): each all-reduce whose
@@ -95,12 +89,9 @@ would get. Cases cannot run it as fast: every output of a branch waits for
 every stateful op of the branch (`tf.function`'s automatic control
 dependencies make each branch's returns wait for all its collectives), so
 one bucket's next stage never overlaps the previous bucket's last, as a
-fixed plan's stages on different groups do. Kept in cases, the choice's
-step was measurably slower than the same plan fixed, chained or side by
-side (ResNet-50, emulated 2 x 2 cluster, AVX-512; BENCHMARKS.md, section
-"`algorithm="auto"`: the job measures its own algorithm"). A
-custom training loop that does not build its `tf.function` again keeps
-running the choice through the cases, correctly.
+fixed plan's stages on different groups do. A custom training loop that
+does not build its `tf.function` again keeps running the choice through
+the cases, correctly.
 """
 
 import dataclasses

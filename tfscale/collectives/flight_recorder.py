@@ -6,10 +6,10 @@ unhealthy"): an instance number that names nothing the user wrote. So every
 collective tfscale issues (through the watchdog, `watchdog.Watchdog`) also
 writes one row of a ring buffer kept in a variable on this worker: which call
 site it is, the training step, when it was issued, and whether it completed.
-(Not when: a `tf.timestamp` after each collective's result cost the overlap of
-the gradient buckets with backprop, measured by
-tests/test_collectives.py::test_bucket_all_reduces_overlap_backprop, 0 ms
-instead of 90-470 ms.) A
+(Not when: a `tf.timestamp` after each collective's result would keep the
+gradient buckets from overlapping backprop;
+tests/test_collectives.py::test_bucket_all_reduces_overlap_backprop checks
+the overlap.) A
 call site is described once, when the step is traced: the op, its group, its
 dtype and size, and what tfscale was doing around it (the bucket, its
 algorithm, the variables whose gradients it carries), given by `context`.
@@ -25,7 +25,9 @@ After PyTorch's flight recorder (torch/csrc/distributed/c10d/
 FlightRecorder.hpp: a ring buffer of the last collectives per rank, dumped
 on a timeout) and Horovod's stall inspector (horovod/common/
 stall_inspector.cc: which ranks have not submitted a tensor the others wait
-on). Its cost per step: BENCHMARKS.md.
+on). Its cost per collective and per step: BENCHMARKS.md, section "The
+flight recorder's cost" (`python -m
+tfscale.launch.studies.flight_recorder_cost`).
 """
 
 import contextlib

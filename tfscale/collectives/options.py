@@ -58,9 +58,9 @@ class PowerSGDOptions:
             soon as backprop has produced its gradients (PyTorch's hook runs
             per DDP bucket, `bucket_cap_mb`). `None` (default): one bucket,
             after the last gradient: where workers share CPU cores there is
-            no idle core to overlap with; 32 MiB buckets measured within the
-            run-to-run spread of one bucket (BENCHMARKS.md, section
-            "PowerSGD in training").
+            no idle core to overlap with, and each bucket adds two rounds of
+            all-reduces (`tfscale-bench train --compression=powersgd
+            --powersgd_bucket_bytes=...` measures buckets on your cluster).
     """
 
     rank: int = powersgd_lib.DEFAULT_RANK

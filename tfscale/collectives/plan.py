@@ -26,8 +26,8 @@ ALGORITHMS = communication_names.ALGORITHMS
 # What "hybrid" chooses from. Not halving_doubling, the latency-optimal
 # algorithm on paper: TensorFlow has no point-to-point op, so each of its
 # 2 log2(n) steps is a collective op of its own over a pair group, and each
-# op costs a fixed few milliseconds whatever its size, more than the one op
-# of a ring (`tfscale-bench fixedcost`; BENCHMARKS.md, section "The fixed
+# op has a fixed cost whatever its size, so its ops cost more than the one
+# op of a ring (`tfscale-bench fixedcost`; BENCHMARKS.md, section "The fixed
 # cost of one collective"). The
 # alpha-beta cost model, which counts link latency and not that cost,
 # predicts it fastest on small buffers, where it measured slowest.

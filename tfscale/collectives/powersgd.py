@@ -311,9 +311,8 @@ class PowerSGD:
             one batch. Off by default, as in PyTorch: on CPU the arithmetic
             is bound by memory traffic, not by the number of ops, and the
             copies make it slower (`python -m
-            tfscale.launch.studies.powersgd_cost`; BENCHMARKS.md, section
-            "PowerSGD in training");
-            where each op has a fixed launch cost (GPUs) it may pay. The
+            tfscale.launch.studies.powersgd_cost` times both); where each
+            op has a fixed launch cost (GPUs) it may pay. The
             sums on the wire are the same; results agree within float32
             rounding.
         bucket_bytes: gradient bytes per bucket of matrices compressed and
