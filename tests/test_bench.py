@@ -203,15 +203,20 @@ def test_train_against_keras_on_jax_trains_the_same_losses_and_times_both(tmp_pa
     stock, jax_row = json.loads(output.read_text())
     assert jax_row["config"] == "jax" and jax_row["exposed_communication_seconds"] is None
     assert jax_row["gradient_floats"] == stock["gradient_floats"]
-    # Both started from the same weights and trained the same batch: after
-    # 3 steps JAX's loss (DataParallel over 2 processes) is TensorFlow's one
-    # worker's, within the bench's tolerance, and the loss moved.
+    # Both started from the same weights and trained the same batch: JAX's
+    # first loss and its loss after one update (DataParallel over 2
+    # processes) are TensorFlow's one worker's, within the bench's
+    # tolerance, and the loss moved.
     reference = stock["single_worker_losses"]
     assert reference[2] < reference[0]
-    assert jax_row["loss_after_steps"] == jax_row["losses"][2]
-    assert jax_row["loss_after_steps"] == pytest.approx(reference[2], rel=train.LOSS_TOLERANCE)
-    assert stock["loss_after_steps"] == pytest.approx(reference[2], rel=1e-5)
-    assert "jax within 1%: yes" in stdout
+    assert len(jax_row["losses"]) == len(reference) == 3
+    for step in range(train.LOSS_CHECK_STEPS):
+        assert jax_row["losses"][step] == pytest.approx(reference[step],
+                                                        rel=train.LOSS_TOLERANCE)
+        assert jax_row["loss_vs_single_worker"][step] == pytest.approx(
+            jax_row["losses"][step] / reference[step] - 1)
+    assert stock["losses"] == pytest.approx(reference, rel=1e-4)
+    assert "; jax within 0.001 over the first 2: yes" in stdout
     # Its 1-worker rate is one JAX process's, and its efficiency is against it.
     assert jax_row["single_worker_images_per_second"] != stock["single_worker_images_per_second"]
     assert jax_row["scaling_efficiency"] == pytest.approx(

@@ -43,7 +43,7 @@ from tfscale.launch.bench import stats
 FLAGS = flags.FLAGS
 ALGORITHMS = communication_names.BUFFER_ALGORITHMS
 # Where the tables of `proving_commands` go (a heading of BENCHMARKS.md).
-BENCHMARKS_SECTION = "10. GPUs: the NCCL paths (not yet run)"
+BENCHMARKS_SECTION = "GPUs: the NCCL paths (not yet run)"
 
 
 def define_flags():

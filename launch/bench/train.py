@@ -41,8 +41,9 @@ model on the same batch with the same optimizer, timed alike
 (jax_train_worker.py), from the weights the `single` launch built; its
 1-worker images/s is its own, one JAX process alone (`jax_single`). Every
 worker trains the same batch, so N workers compute one worker's loss: the
-bench checks that JAX's loss after the same steps is within
-`LOSS_TOLERANCE` of TensorFlow's one worker, and fails if it is not.
+bench checks that JAX's first two losses (the initial weights' and after
+one update) are within `LOSS_TOLERANCE` of TensorFlow's one worker, and
+fails if they are not.
 """
 
 import importlib.util
@@ -62,11 +63,15 @@ from tfscale.launch.bench import stats
 FLAGS = flags.FLAGS
 # Configurations without a tfscale algorithm: one launch each, no threshold.
 _BASELINES = (cluster.STOCK, cluster.LOCKSTEP, cluster.JAX)
-# How far Keras on JAX's float32 loss may be from TensorFlow's after the same
-# steps, relative. The two backends run different kernels (XLA's, oneDNN's),
-# whose float32 rounding differs, and every update carries the difference
-# on; see BENCHMARKS.md, "Training throughput", for what was measured.
-LOSS_TOLERANCE = 1e-2
+# How far Keras on JAX's float32 loss may be from TensorFlow's one worker,
+# relative, over the first LOSS_CHECK_STEPS steps: the loss of the initial
+# weights, then after one update. Only rounding separates them there, of
+# different kernels (XLA's, oneDNN's); later updates carry it on and
+# amplify it, as they do between TensorFlow's own configurations (the
+# table's loss line shows both). A different model, batch, learning rate or
+# gradient scale moves the second loss by far more.
+LOSS_TOLERANCE = 1e-3
+LOSS_CHECK_STEPS = 2
 
 
 def define_flags():
@@ -365,34 +370,40 @@ def main():
 
 
 def loss_check(rows, steps, precision="float32"):
-    """Every configuration's loss after `steps` steps against TensorFlow's
-    one worker (the same weights, batch and optimizer; every worker trains
-    the same batch, so N workers compute one worker's loss).
+    """Every configuration's loss, step for step, against TensorFlow's one
+    worker (the same weights, batch and optimizer; every worker trains the
+    same batch, so N workers compute one worker's loss).
 
     Returns:
-        (the line to print, None or the error when the JAX run is further
-        than LOSS_TOLERANCE from TensorFlow's).
+        (the line to print, None or the error when the JAX run's first
+        LOSS_CHECK_STEPS losses are further than LOSS_TOLERANCE from
+        TensorFlow's).
     """
     rows = [r for r in rows if r["precision"] == precision]
     if not rows:
         return f"# loss check: no {precision} run", None
-    reference = rows[0]["single_worker_losses"][steps - 1]
+    reference = rows[0]["single_worker_losses"][:steps]
+    shown = sorted({*range(1, LOSS_CHECK_STEPS + 1), steps})
     parts, mismatch = [], None
     for row in rows:
-        loss = row["losses"][steps - 1]
-        row["loss_after_steps"] = loss
-        row["loss_vs_single_worker"] = loss / reference - 1
-        parts.append(f"{row['config']} {loss:.5f} ({row['loss_vs_single_worker']:+.2e})")
-        if row["config"] == cluster.JAX and abs(row["loss_vs_single_worker"]) > LOSS_TOLERANCE:
-            mismatch = (f"Keras on JAX's loss after {steps} steps, {loss:.5f}, is "
-                        f"{row['loss_vs_single_worker']:+.2%} from TensorFlow's one worker "
-                        f"({reference:.5f}); more than {LOSS_TOLERANCE:.0%} means the two "
-                        "do not train the same thing, so their speeds are not comparable.")
-    line = (f"# loss after {steps} steps ({precision}, fit's running mean; the same "
-            f"weights, batch and optimizer everywhere): 1 worker on TensorFlow "
-            f"{reference:.5f}; " + "; ".join(parts) + " (relative difference); "
-            f"{cluster.JAX} within {LOSS_TOLERANCE:.0%}: "
-            + ("no" if mismatch else "yes"))
+        row["loss_vs_single_worker"] = [
+            loss / ref - 1 for loss, ref in zip(row["losses"][:steps], reference)]
+        differences = row["loss_vs_single_worker"]
+        parts.append(f"{row['config']} " + " / ".join(
+            f"{differences[step - 1]:+.1e}" for step in shown))
+        checked = differences[:LOSS_CHECK_STEPS]
+        if row["config"] == cluster.JAX and max(map(abs, checked)) > LOSS_TOLERANCE:
+            mismatch = (
+                f"Keras on JAX's first {LOSS_CHECK_STEPS} losses differ from TensorFlow's "
+                f"one worker's by {', '.join(f'{d:+.2e}' for d in checked)}, more than "
+                f"{LOSS_TOLERANCE:g} (relative): the two do not train the same thing, so "
+                "their speeds are not comparable.")
+    line = (f"# loss ({precision}, fit's running mean; the same weights, batch and "
+            f"optimizer everywhere) after {' / '.join(map(str, shown))} steps: 1 worker "
+            "on TensorFlow " + " / ".join(f"{reference[step - 1]:.4f}" for step in shown)
+            + "; relative to it: " + "; ".join(parts)
+            + f"; {cluster.JAX} within {LOSS_TOLERANCE:g} over the first "
+            f"{LOSS_CHECK_STEPS}: " + ("no" if mismatch else "yes"))
     return line, mismatch
 
 
