@@ -182,8 +182,7 @@ def summarize(single, launches, num_workers, per_worker_batch, thresholds=None,
             row[key.replace("_seconds", "_vs_stock")] = (
                 value / base if base and value is not None else None)
     # Steadier than e vs compute, whose baseline (workers unsynchronized on
-    # shared cores) moves between launches (BENCHMARKS.md, section "PowerSGD
-    # in training").
+    # shared cores) moves between launches.
     lockstep = {r["precision"]: r["step_seconds"] for r in rows
                 if r["config"] == cluster.LOCKSTEP}
     for row in rows:
@@ -214,7 +213,7 @@ def _least_trials(reports):
 
 def gradients_line(floats, context):
     """What each step all-reduces and, on a rate-limited link, the least
-    time that takes (BENCHMARKS.md, "The link bound")."""
+    time that takes (BENCHMARKS.md, section "The link bound")."""
     line = (f"# gradients: {floats:,} trainable parameters = "
             f"{4 * floats / 1e6:.1f} MB in float32 (MB = 1e6 bytes) per step")
     bound = stats.link_bound_seconds(4 * floats, len(context["node_sizes"]),
