@@ -268,9 +268,9 @@ def _define_optimization_flags():
         "(tfscale.optimizers.RMSpropWarmup, Akiba et al. 2017).")
     flags.DEFINE_enum(
         "precision", defaults.precision, recipe_settings.PRECISIONS,
-        "Keras dtype policy. mixed_bfloat16 speeds up CPUs with AVX-512 "
-        "(oneDNN bfloat16 kernels) but is many times SLOWER on CPUs without it, "
-        "where TensorFlow falls back to Eigen (python -m "
+        "Keras dtype policy. mixed_bfloat16 runs oneDNN's bfloat16 kernels on "
+        "CPUs with AVX-512 (avx512_bf16) and falls back to Eigen's on CPUs "
+        "without it; whether it pays depends on the CPU and the model (python -m "
         "tfscale.launch.studies.precision_speed measures yours); mixed_float16 is "
         "for GPUs and adds dynamic loss scaling that agrees across workers.",
     )

@@ -25,12 +25,10 @@ determinism, once enabled, stays on for the process.
 deterministic" against its precision without.
 
 On a CPU without AVX-512, oneDNN has no bfloat16 kernels and TensorFlow
-falls back to Eigen's, which are many times slower than float32.
-TensorFlow also leaves oneDNN off by default on some CPUs (AMD among them):
-TF_ENABLE_ONEDNN_OPTS=1 turns it on. On a CPU with AVX-512 and avx512_bf16,
-mixed_bfloat16 trains faster than float32. What the commands above print
-on the benchmark machine: BENCHMARKS.md, section "Mixed precision and op
-determinism on one worker".
+falls back to Eigen's. TensorFlow also leaves oneDNN off by default on
+some CPUs (AMD among them): TF_ENABLE_ONEDNN_OPTS=1 turns it on. What the
+commands above print on the benchmark machine: BENCHMARKS.md, section
+"Mixed precision and op determinism on one worker".
 """
 
 import json

@@ -235,10 +235,9 @@ class CostModel:
 # A starting point until `fit` has measurements of your cluster: TensorFlow's
 # gRPC collectives (about 100 us per message even on one host), memory-speed
 # copies inside a node and 10 Gbit/s Ethernet between nodes; and the fixed
-# cost of a collective op, about what `tfscale-bench fixedcost` measures per
-# CollectiveReduceV2 of 4 bytes, ten chained in one function, on 2 workers
-# over loopback with a core each (more when workers share cores: BENCHMARKS.md,
-# section "The fixed cost of one collective").
+# cost of a collective op, of the order of one CollectiveReduceV2 of 4 bytes
+# as `tfscale-bench fixedcost` measures it (BENCHMARKS.md, section "The
+# fixed cost of one collective").
 DEFAULT = CostModel(
     intra=Link(alpha=100e-6, beta=1 / 4e9),
     inter=Link(alpha=150e-6, beta=1 / 1.25e9),
