@@ -22,7 +22,6 @@ References:
 
 import json
 import os
-import statistics
 import time
 
 # The JAX worker's whole process is Keras on JAX.
@@ -87,9 +86,7 @@ def measure(spec):
         finally:
             keras.distribution.set_distribution(None)
         if rank == 0:
-            print(f"{spec['name']} {precision}: " + ", ".join(
-                f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
-                for r in runs if r["precision"] == precision), flush=True)
+            train_model.print_progress(spec, precision, runs)
     keras.mixed_precision.set_global_policy("float32")
     return {"rank": rank, "runs": runs}
 
@@ -125,8 +122,6 @@ def _fit(spec, weights, images, labels):
     the global batch is num_workers of them)."""
     model = train_model.build(spec)
     model.set_weights(weights)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     steps = spec["warmup_steps"] + spec["steps"]
     recorder = _StepRecorder()
     model.fit(np.tile(images, (steps, 1, 1, 1)), np.tile(labels, steps),
@@ -134,4 +129,4 @@ def _fit(spec, weights, images, labels):
               verbose=0)
     return {"step_seconds": recorder.step_seconds[spec["warmup_steps"]:],
             "losses": recorder.losses,
-            "gradient_floats": sum(int(np.prod(v.shape)) for v in model.trainable_variables)}
+            "gradient_floats": train_model.gradient_floats(model)}

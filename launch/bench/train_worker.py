@@ -16,7 +16,6 @@ times into rows. Every run also keeps fit's loss after each step, and the
 
 import contextlib
 import os
-import statistics
 
 import keras
 import numpy as np
@@ -53,9 +52,7 @@ def measure(spec):
                      else _fit(spec, strategy))
             runs.append({"precision": precision, "phase": "distributed", **timed})
         if rank == 0:
-            print(f"{spec['name']} {precision}: " + ", ".join(
-                f"{r['phase']} median {statistics.median(r['step_seconds']):.3f} s/step"
-                for r in runs if r["precision"] == precision), flush=True)
+            train_model.print_progress(spec, precision, runs)
     keras.mixed_precision.set_global_policy("float32")
     return {"rank": rank, "runs": runs}
 
@@ -132,8 +129,6 @@ def _fit(spec, strategy, extra_callbacks=()):
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = train_model.build(spec)
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batch = spec["per_worker_batch"]
     if strategy is None:
         dataset = data.synthetic(batch, size)
@@ -156,7 +151,7 @@ def _fit(spec, strategy, extra_callbacks=()):
     # sends less, lockstep nothing). The size depends on --image_size:
     # AlexNet-BN has 50.8 M parameters at 224 x 224, 62.4 M at 227 x 227.
     timed = {"step_seconds": timer.step_seconds[warmup:], "losses": losses.losses,
-             "gradient_floats": sum(int(np.prod(v.shape)) for v in model.trainable_variables)}
+             "gradient_floats": train_model.gradient_floats(model)}
     if strategy is not None:
         timed["exposed_communication_seconds"] = timer.exposed_communication_seconds[warmup:]
     if isinstance(strategy, tfscale.Strategy):
