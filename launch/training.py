@@ -522,18 +522,14 @@ def describe_failure(config, error):
     if isinstance(error, evaluator.NoNewCheckpointError):
         return (f"{error} If training is still running, raise "
                 f"--evaluator_timeout (now {config.evaluator_timeout:g} s).")
-    if isinstance(error, tf.errors.OpError):
+    if isinstance(error, tf.errors.OpError) and _names_a_peer_failure(error):
         mismatch = flight_report.peer_mismatch(str(error))
         if mismatch:
             return (f"The workers issued different collectives: {mismatch}. "
                     "Start every worker with the same flags and the same "
                     "version of the code, then relaunch.")
-        # Collective errors name the peer's task where gRPC knows it.
         tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-        task = tf_config.get("task", {})
-        own = (task.get("type"), str(task.get("index")))
-        peers = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error)))
-                       - {own})
+        peers = _peer_tasks(str(error))
         who = (", ".join(f"{job} {index}" for job, index in peers)
                if peers else "a peer worker")
         cause, busy_link = _collective_cause(str(error)), ""
@@ -557,11 +553,37 @@ def describe_failure(config, error):
     return None
 
 
+# The errors TensorFlow raises when a peer or the link to it fails.
+_PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError",
+                "CancelledError")
+_PEER_CAUSES = (r"The following tasks are unhealthy[^\n]*\n?[^\n]*",
+                r"Collective ops is aborted by: [^\n]*",
+                r"[^\n]*(?:timed out|Deadline Exceeded|Connection refused)[^\n]*")
+
+
+def _names_a_peer_failure(error):
+    """Whether `error` says a peer, or the link to it, failed. Any other
+    error of an op (this worker's own input pipeline, say) is not explained
+    as lost contact: its traceback is the evidence."""
+    message = str(error)
+    return (type(error).__name__ in _PEER_ERRORS
+            or _HEARTBEAT_RPC in message
+            or flight_report.peer_mismatch(message) is not None
+            or bool(_peer_tasks(message))
+            or any(re.search(pattern, message) for pattern in _PEER_CAUSES))
+
+
+def _peer_tasks(message):
+    """The (job, index) of each task but this one that `message` names:
+    collective errors name the peer's task where gRPC knows it."""
+    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+    own = (task.get("type"), str(task.get("index")))
+    return sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message)) - {own})
+
+
 def _collective_cause(message):
     """The line of a TensorFlow collective error that says what happened."""
-    for pattern in (r"The following tasks are unhealthy[^\n]*\n?[^\n]*",
-                    r"Collective ops is aborted by: [^\n]*",
-                    r"[^\n]*(?:timed out|Deadline Exceeded|Connection refused)[^\n]*"):
+    for pattern in _PEER_CAUSES:
         match = re.search(pattern, message)
         if match:
             return " ".join(match.group(0).split())

@@ -1,8 +1,10 @@
 """tfscale.data: digits, synthetic, ImageNet (offline with tfds mock data)."""
 
+import concurrent.futures
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -254,6 +256,29 @@ def test_imagenet_evaluation_reads_every_example_once(imagenet_dirs, num_workers
     whole = np.concatenate([y.numpy() for _, y in data.imagenet(
         "validation", 12, 32, data_dir=data_dir)])
     np.testing.assert_array_equal(in_order, whole)
+
+
+def test_imagenet_records_are_read_from_many_threads_at_once(imagenet_dirs, monkeypatch):
+    # tf.data's parallel map calls `read` from several threads: their first
+    # reads of a file must share one open file, not close each other's.
+    data_dir, _, _ = imagenet_dirs
+    version_dir = imagenet_source.prepared_dir(data_dir)
+    opened, real_open = [], open
+
+    def slow_open(path, *args):  # widens the window between check and open
+        opened.append(path)
+        time.sleep(0.05)
+        return real_open(path, *args)
+
+    monkeypatch.setattr(imagenet_source, "open", slow_open, raising=False)
+    source = imagenet_source.RecordSource(version_dir, "validation")
+    ids = np.arange(source.num_examples)
+    expected = imagenet_source.RecordSource(version_dir, "validation").read(ids)
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        results = list(threads.map(lambda _: source.read(ids), range(8)))
+    assert len(opened) == 2  # the expected's one file, then the source's one
+    for records in results:
+        assert records.tolist() == expected.tolist()
 
 
 def test_a_waiting_worker_names_what_it_waits_for(tmp_path):

@@ -298,6 +298,31 @@ def test_a_heartbeat_without_reply_names_the_coordination_leader_and_the_flag(mo
     assert "busy link" not in other
 
 
+def test_an_error_of_the_workers_own_input_pipeline_is_not_called_lost_contact(monkeypatch):
+    # tf.data's error when a Python function of this worker's pipeline raised:
+    # it names this worker's own task only. Left unexplained, it is raised
+    # with its traceback instead of blaming a peer.
+    import tensorflow as tf
+    from tfscale.launch import training
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+        "task": {"type": "worker", "index": 1}}))
+    FLAGS.unparse_flags()
+    FLAGS(["tfscale-train"])
+    config = train_flags.Config.from_flags()
+    for message in ("[[RemoteCall]] [Op:IteratorGetNext] name:",
+                    "{{function_node __wrapped__IteratorGetNext_device_/job:worker/"
+                    "replica:0/task:1/device:CPU:0}} OSError: [Errno 9] Bad file "
+                    "descriptor [Op:IteratorGetNext]"):
+        assert training.describe_failure(
+            config, tf.errors.UnknownError(None, None, message)) is None, message
+    # The same kind of error naming a peer's task is lost contact.
+    said = training.describe_failure(config, tf.errors.UnknownError(None, None, (
+        "Error received from /job:worker/replica:0/task:0: Socket closed")))
+    assert said.startswith("Lost contact with worker 0 (UnknownError: "), said
+
+
 def test_heartbeat_timeout_is_checked_and_the_same_on_every_worker():
     # The service (on the leader) takes a worker for lost after its own
     # timeout; each worker beats every half of its own.

@@ -28,6 +28,7 @@ archives, the same on every machine that prepares the same archives.
 
 import os
 import struct
+import threading
 import time
 
 from absl import logging
@@ -219,15 +220,25 @@ class RecordSource:
             self._paths = [os.path.join(version_dir, str(name)) for name in index["names"]]
         self.num_examples = len(self._offsets)
         self._files_open = {}  # closed with this object
+        # tf.data calls `read` from several threads at once (a parallel map).
+        # Unguarded, two first reads of a file both open it, and the file
+        # object the second replaces is closed under the first one's pread.
+        self._opening = threading.Lock()
 
     def read(self, ids):
         """The records of example indices `ids` (a numpy array) as an object
-        array of bytes."""
+        array of bytes; safe to call from several threads at once."""
         records = np.empty(len(ids), dtype=object)
         for row, example in enumerate(ids):
-            number = int(self._files[example])
-            if number not in self._files_open:
-                self._files_open[number] = open(self._paths[number], "rb")
-            records[row] = os.pread(self._files_open[number].fileno(),
+            records[row] = os.pread(self._file(int(self._files[example])).fileno(),
                                     int(self._lengths[example]), int(self._offsets[example]))
         return records
+
+    def _file(self, number):
+        opened = self._files_open.get(number)
+        if opened is None:
+            with self._opening:
+                opened = self._files_open.get(number)
+                if opened is None:
+                    opened = self._files_open[number] = open(self._paths[number], "rb")
+        return opened
