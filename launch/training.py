@@ -522,73 +522,71 @@ def describe_failure(config, error):
     if isinstance(error, evaluator.NoNewCheckpointError):
         return (f"{error} If training is still running, raise "
                 f"--evaluator_timeout (now {config.evaluator_timeout:g} s).")
-    if isinstance(error, tf.errors.OpError) and _names_a_peer_failure(error):
-        mismatch = flight_report.peer_mismatch(str(error))
-        if mismatch:
-            return (f"The workers issued different collectives: {mismatch}. "
-                    "Start every worker with the same flags and the same "
-                    "version of the code, then relaunch.")
-        tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-        peers = _peer_tasks(str(error))
-        who = (", ".join(f"{job} {index}" for job, index in peers)
-               if peers else "a peer worker")
-        cause, busy_link = _collective_cause(str(error)), ""
-        if _HEARTBEAT_RPC in str(error):
-            # The coordination service runs on the chief, else on worker 0
-            # (MultiWorkerMirroredStrategy's `coordination_leader`).
-            who = "chief 0" if "chief" in tf_config.get("cluster", {}) else "worker 0"
-            cause = (f"this worker's heartbeat got no reply within "
-                     f"{config.heartbeat_timeout / 2:g} s")
-            busy_link = (" If every worker was alive, the reply waited behind "
-                         "the model's tensors on a busy link: raise "
-                         "--heartbeat_timeout.")
-        return (
-            f"Lost contact with {who} ({type(error).__name__}: {cause}). A "
-            "worker died, hung or became unreachable (TensorFlow's heartbeats "
-            f"notice within --heartbeat_timeout={config.heartbeat_timeout:g} s; "
-            f"--collective_timeout={config.collective_timeout:g} s bounds the "
-            f"rest); every worker stops.{busy_link} Relaunch the job; with "
-            "--model_dir it resumes from the last checkpoint."
-        )
+    if isinstance(error, tf.errors.OpError):
+        return _describe_op_error(config, error)
     return None
 
 
 # The errors TensorFlow raises when a peer or the link to it fails.
-_PEER_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError",
-                "CancelledError")
+_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                tf.errors.AbortedError, tf.errors.CancelledError)
+# What a collective's error says of a peer or a link (`_collective_cause`).
 _PEER_CAUSES = (r"The following tasks are unhealthy[^\n]*\n?[^\n]*",
                 r"Collective ops is aborted by: [^\n]*",
                 r"[^\n]*(?:timed out|Deadline Exceeded|Connection refused)[^\n]*")
 
 
-def _names_a_peer_failure(error):
-    """Whether `error` says a peer, or the link to it, failed. Any other
-    error of an op (this worker's own input pipeline, say) is not explained
-    as lost contact: its traceback is the evidence."""
+def _describe_op_error(config, error):
+    """Lost contact, or mismatched collectives, where TensorFlow's error says
+    a peer or the link to it failed; None for any other error of an op (this
+    worker's own input pipeline, say): its traceback is the evidence."""
     message = str(error)
-    return (type(error).__name__ in _PEER_ERRORS
-            or _HEARTBEAT_RPC in message
-            or flight_report.peer_mismatch(message) is not None
-            or bool(_peer_tasks(message))
-            or any(re.search(pattern, message) for pattern in _PEER_CAUSES))
-
-
-def _peer_tasks(message):
-    """The (job, index) of each task but this one that `message` names:
-    collective errors name the peer's task where gRPC knows it."""
-    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+    mismatch = flight_report.peer_mismatch(message)
+    if mismatch:
+        return (f"The workers issued different collectives: {mismatch}. "
+                "Start every worker with the same flags and the same "
+                "version of the code, then relaunch.")
+    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    # Collective errors name the peer's task where gRPC knows it.
+    task = tf_config.get("task", {})
     own = (task.get("type"), str(task.get("index")))
-    return sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message)) - {own})
+    peers = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message)) - {own})
+    cause = _collective_cause(message)
+    heartbeat = _HEARTBEAT_RPC in message
+    if not (isinstance(error, _PEER_ERRORS) or peers or cause or heartbeat):
+        return None
+    who = ", ".join(f"{job} {index}" for job, index in peers) if peers else "a peer worker"
+    if cause is None:
+        lines = [l.strip() for l in message.splitlines() if l.strip()]
+        cause = lines[-1] if lines else "no details"
+    busy_link = ""
+    if heartbeat:
+        # The coordination service runs on the chief, else on worker 0
+        # (MultiWorkerMirroredStrategy's `coordination_leader`).
+        who = "chief 0" if "chief" in tf_config.get("cluster", {}) else "worker 0"
+        cause = (f"this worker's heartbeat got no reply within "
+                 f"{config.heartbeat_timeout / 2:g} s")
+        busy_link = (" If every worker was alive, the reply waited behind "
+                     "the model's tensors on a busy link: raise "
+                     "--heartbeat_timeout.")
+    return (
+        f"Lost contact with {who} ({type(error).__name__}: {cause}). A "
+        "worker died, hung or became unreachable (TensorFlow's heartbeats "
+        f"notice within --heartbeat_timeout={config.heartbeat_timeout:g} s; "
+        f"--collective_timeout={config.collective_timeout:g} s bounds the "
+        f"rest); every worker stops.{busy_link} Relaunch the job; with "
+        "--model_dir it resumes from the last checkpoint."
+    )
 
 
 def _collective_cause(message):
-    """The line of a TensorFlow collective error that says what happened."""
+    """The line of a TensorFlow collective error that says what happened,
+    or None where it says nothing of a peer or a link."""
     for pattern in _PEER_CAUSES:
         match = re.search(pattern, message)
         if match:
             return " ".join(match.group(0).split())
-    lines = [l.strip() for l in message.splitlines() if l.strip()]
-    return lines[-1] if lines else "no details"
+    return None
 
 
 def run(config):
