@@ -375,48 +375,6 @@ def test_plans_are_logged_once_on_the_chief_only(all_reduce_runs):
         output.splitlines())
 
 
-# Workers -> workers per node, for the halving-doubling runs. 3 and 4 workers
-# (nodes of 2) sum exactly in the all-reduce runs above (odd, chunked
-# buffers); 3 train alike in the fit runs below; 9 (8 in three rounds, one
-# folded in) train as one worker in tests/test_scale.py, where network
-# namespaces can be made.
-HALVING_DOUBLING_RUNS = {2: 1, 5: 2}
-
-
-@pytest.mark.multiworker
-@pytest.mark.parametrize("num_workers", list(HALVING_DOUBLING_RUNS))
-def test_halving_doubling_sums_exactly_and_alike_on_any_number_of_workers(
-        tmp_path, num_workers):
-    """2: one round, one worker a node; 5 folds one worker into a partner. Buffers
-    of 1, n - 1, 7, 15 and 1001 elements (padded to a multiple of the
-    power of two), through `ReplicaContext.all_reduce` as Keras calls it."""
-    run = run_workers("collectives_halving_doubling.py", num_workers, tmp_path,
-                      args=[f"--local_size={HALVING_DOUBLING_RUNS[num_workers]}"],
-                      timeout=180)
-    assert_succeeded(run)
-    results = run.results
-    schedule = topology.halving_doubling(num_workers)
-    expected = _sum64(results, "integer_inputs")
-    real = _sum64(results, "real_inputs")
-    bound = [num_workers * F32_U * a for a in _abs_sum64(results, "real_inputs")]
-    bfloat16 = np.sum([r["bfloat16_input"] for r in results], axis=0)
-    for result in results:
-        fold_partner, _, steps = schedule.role(result["worker_index"])
-        partners = {p for p, _ in steps} | ({fold_partner} - {None})
-        assert result["partners"] == sorted(partners)
-        # Every tensor its own buffer, each by halving-doubling: 6 integer-
-        # valued tensors, then 5 real ones, through tfscale's all-reduce.
-        assert [a for a, _ in result["plan"]] == ["halving_doubling"] * 6
-        assert result["routed"] == [6, 5]
-        for got, want in zip(result["integer"], expected, strict=True):
-            np.testing.assert_array_equal(got, want)
-        for got, want, b in zip(result["real"], real, bound, strict=True):
-            assert np.all(np.abs(np.asarray(got) - want) <= b)
-        # Each element is summed on one worker and copied: the same bits.
-        assert result["real"] == results[0]["real"]
-        np.testing.assert_array_equal(result["bfloat16"], bfloat16)
-
-
 # ---------------------------------------------------------------- Keras fit
 
 
@@ -571,3 +529,49 @@ def test_bucket_all_reduces_overlap_backprop(tmp_path):
         per_worker.append(gaps)
     overlapped = [max(step) for step in zip(*per_worker, strict=True) if max(step) > 20.0]
     assert len(overlapped) >= 2, per_worker
+
+
+# ---------------------------------------------------------------- halving-doubling
+# Last in this module: its 5 workers would otherwise replace the pools of 4
+# and 3 (tests/worker_pool.py keeps 3) that the fit runs above reuse.
+
+# Workers -> workers per node, for the halving-doubling runs. 3 and 4 workers
+# (nodes of 2) sum exactly in the all-reduce runs above (odd, chunked
+# buffers); 3 train alike in the fit runs above; 9 (8 in three rounds, one
+# folded in) train as one worker in tests/test_scale.py, where network
+# namespaces can be made.
+HALVING_DOUBLING_RUNS = {2: 1, 5: 2}
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("num_workers", list(HALVING_DOUBLING_RUNS))
+def test_halving_doubling_sums_exactly_and_alike_on_any_number_of_workers(
+        tmp_path, num_workers):
+    """2: one round, one worker a node; 5 folds one worker into a partner. Buffers
+    of 1, n - 1, 7, 15 and 1001 elements (padded to a multiple of the
+    power of two), through `ReplicaContext.all_reduce` as Keras calls it."""
+    run = run_workers("collectives_halving_doubling.py", num_workers, tmp_path,
+                      args=[f"--local_size={HALVING_DOUBLING_RUNS[num_workers]}"],
+                      timeout=180)
+    assert_succeeded(run)
+    results = run.results
+    schedule = topology.halving_doubling(num_workers)
+    expected = _sum64(results, "integer_inputs")
+    real = _sum64(results, "real_inputs")
+    bound = [num_workers * F32_U * a for a in _abs_sum64(results, "real_inputs")]
+    bfloat16 = np.sum([r["bfloat16_input"] for r in results], axis=0)
+    for result in results:
+        fold_partner, _, steps = schedule.role(result["worker_index"])
+        partners = {p for p, _ in steps} | ({fold_partner} - {None})
+        assert result["partners"] == sorted(partners)
+        # Every tensor its own buffer, each by halving-doubling: 6 integer-
+        # valued tensors, then 5 real ones, through tfscale's all-reduce.
+        assert [a for a, _ in result["plan"]] == ["halving_doubling"] * 6
+        assert result["routed"] == [6, 5]
+        for got, want in zip(result["integer"], expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        for got, want, b in zip(result["real"], real, bound, strict=True):
+            assert np.all(np.abs(np.asarray(got) - want) <= b)
+        # Each element is summed on one worker and copied: the same bits.
+        assert result["real"] == results[0]["real"]
+        np.testing.assert_array_equal(result["bfloat16"], bfloat16)

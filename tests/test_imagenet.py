@@ -29,6 +29,8 @@ def run(tmp_path_factory):
     marker = uuid.uuid4().hex
     command = [
         "tfscale-launch", "--num_workers=3", "--timeout=500", "--max_restarts=1",
+        # The survivors wait in a collective with the killed worker: 2 s, not 10.
+        "--grace_seconds=2",
         "--", "tfscale-train", "--dataset=imagenet", f"--data_dir={tmp / 'data'}",
         f"--manual_dir={tmp / 'manual'}", "--image_size=67", "--fc_units=16",
         "--global_batch_size=8", "--epochs=2", "--steps_per_epoch=4",

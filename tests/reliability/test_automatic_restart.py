@@ -16,6 +16,7 @@ import uuid
 import numpy as np
 
 from multiworker import checkpoint_variables
+from multiworker import run_train
 from multiworker import saved_step
 from multiworker import worker_pids
 from multiworker import worker_env
@@ -32,23 +33,26 @@ CHECKPOINT_STEPS = 2
 KILL_RANGES = [(2, 5), (8, 12), (15, 18)]
 
 
-def command(model_dir, *launcher_flags):
-    return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=400",
-            "--grace_seconds=2", *launcher_flags, "--",
-            sys.executable, "-m", "tfscale.launch.train", "--fc_units=32",
-            "--global_batch_size=32", f"--epochs={EPOCHS}",
+def train_args(model_dir):
+    return ["--fc_units=32", "--global_batch_size=32", f"--epochs={EPOCHS}",
             f"--steps_per_epoch={STEPS_PER_EPOCH}",
             f"--checkpoint_steps={CHECKPOINT_STEPS}", f"--model_dir={model_dir}",
             "--export_dir="]
 
 
+def command(model_dir, *launcher_flags):
+    return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=400",
+            "--grace_seconds=2", *launcher_flags, "--",
+            sys.executable, "-m", "tfscale.launch.train", *train_args(model_dir)]
+
+
 def test_a_run_with_3_workers_killed_at_random_restarts_and_matches_an_uninterrupted_one(
         tmp_path):
     env = worker_env(tmp_path)
+    # The run never interrupted needs no processes of its own: the reused workers.
     straight = tmp_path / "straight"
-    done = subprocess.run(command(straight), cwd=tmp_path, env=env, timeout=460,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert done.returncode == 0, done.stdout[-4000:]
+    done = run_train(2, tmp_path, train_args(straight), timeout=460)
+    assert done.returncode == 0, done.output[-4000:]
 
     seed = int(os.environ.get("TFSCALE_CHAOS_SEED", random.randrange(2**32)))
     print(f"chaos seed: {seed} (rerun with TFSCALE_CHAOS_SEED={seed})")

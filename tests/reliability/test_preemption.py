@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from multiworker import checkpoint_variables
+from multiworker import run_train
 from multiworker import worker_pids
 from multiworker import worker_env
 
@@ -28,13 +29,16 @@ STEPS_PER_EPOCH = 30
 GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
 
 
+def train_args(model_dir):
+    return ["--fc_units=32", "--global_batch_size=32", f"--epochs={EPOCHS}",
+            f"--steps_per_epoch={STEPS_PER_EPOCH}", "--checkpoint_steps=1000",
+            f"--model_dir={model_dir}", "--export_dir="]
+
+
 def command(model_dir, *launcher_flags):
     return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
             "--timeout=400", "--grace_seconds=5", *launcher_flags, "--",
-            sys.executable, "-m", "tfscale.launch.train", "--fc_units=32",
-            "--global_batch_size=32", f"--epochs={EPOCHS}",
-            f"--steps_per_epoch={STEPS_PER_EPOCH}", "--checkpoint_steps=1000",
-            f"--model_dir={model_dir}", "--export_dir="]
+            sys.executable, "-m", "tfscale.launch.train", *train_args(model_dir)]
 
 
 def wait_for(predicate, what, launcher, log_path, seconds=300):
@@ -47,10 +51,10 @@ def wait_for(predicate, what, launcher, log_path, seconds=300):
 
 def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tmp_path):
     env = worker_env(tmp_path)
+    # The run never interrupted needs no processes of its own: the reused workers.
     straight = tmp_path / "straight"
-    done = subprocess.run(command(straight), cwd=tmp_path, env=env, timeout=460,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert done.returncode == 0, done.stdout[-4000:]
+    done = run_train(2, tmp_path, train_args(straight), timeout=460)
+    assert done.returncode == 0, done.output[-4000:]
 
     preempted = tmp_path / "preempted"
     log_path = tmp_path / "preempted.log"
