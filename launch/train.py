@@ -19,7 +19,6 @@ from absl import app
 
 from tfscale import _requirements
 from tfscale import dataset_specs
-from tfscale.launch import fast_exit
 from tfscale.launch import preflight
 from tfscale.launch import train_flags
 
@@ -95,7 +94,6 @@ def main(argv):
 def run():
     """tfscale-train's entry point: defines the flags, then parses and runs."""
     train_flags.define_flags()
-    fast_exit.skip_final_garbage_collection()
     app.run(main)
 
 

@@ -97,11 +97,8 @@ def _check_installed_from_here():
 
 def pytest_sessionstart(session):
     """Checks which checkout is installed; refuses worker processes to
-    unmarked tests, their fixtures included; exits as tfscale's processes do."""
+    unmarked tests, their fixtures included."""
     _check_installed_from_here()
-    from tfscale.launch import fast_exit
-
-    fast_exit.skip_final_garbage_collection()  # seconds, once TensorFlow is in
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *rest, **kwargs):

@@ -24,7 +24,6 @@ import sys
 
 from absl import app
 
-from tfscale.launch import fast_exit
 from tfscale.launch import flag_help
 
 # Subcommand -> what it does, for the usage line.
@@ -81,7 +80,6 @@ def run(argv=None):
     command = importlib.import_module(f"tfscale.launch.bench.{name}")
     command.define_flags()
     _list_in_help(command)
-    fast_exit.skip_final_garbage_collection()
     app.run(lambda args: _main(command, name, args), argv=argv)
 
 

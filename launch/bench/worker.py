@@ -10,8 +10,6 @@ import json
 import os
 import sys
 
-from tfscale.launch import fast_exit
-
 # spec["command"] -> the module whose `measure(spec)` this worker runs.
 _MEASURES = {
     "allreduce": "tfscale.launch.bench.allreduce_worker",
@@ -42,5 +40,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("Usage: python -m tfscale.launch.bench.worker SPEC_PATH (written by "
                  f"tfscale-bench). Received: {' '.join(sys.argv[1:]) or 'nothing'}")
-    fast_exit.skip_final_garbage_collection()
     main(sys.argv[1])

@@ -3,12 +3,6 @@
 import json
 import os
 
-from tfscale.launch import fast_exit
-
-# Every worker script imports this module: each exits in a fraction of a
-# second instead of seconds (tfscale.launch.fast_exit), as tfscale-train does.
-fast_exit.skip_final_garbage_collection()
-
 
 def worker_index():
     config = json.loads(os.environ.get("TF_CONFIG", "{}"))
