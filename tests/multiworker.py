@@ -70,15 +70,17 @@ def _run_in_pool(target, num_workers, tmp_path, args, timeout, env, results_dir)
     return Run(returncode, output, results)
 
 
-def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env=None):
+def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env=None,
+                   launcher_args=()):
     """Runs tests/workers/`script` as `num_workers` fresh processes through
     tfscale-launch, for tests that must own their processes; `why` says why
-    in one line (tests/README.md lists them)."""
+    in one line (tests/README.md lists them). `launcher_args`: flags of
+    tfscale-launch itself, e.g. `--grace_seconds=30`."""
     assert why, "say why this test needs processes of its own"
     results_dir = _results_dir(tmp_path, script, num_workers)
     command = [
         sys.executable, "-m", "tfscale.launch.local",
-        f"--num_workers={num_workers}", f"--timeout={timeout}", "--",
+        f"--num_workers={num_workers}", f"--timeout={timeout}", *launcher_args, "--",
         sys.executable, os.path.join(WORKERS_DIR, script), *args,
     ]
     run_env = dict(os.environ, TFSCALE_TEST_RESULTS=str(results_dir),

@@ -15,13 +15,18 @@ from tfscale import flight_report
 TIMES_OUT = ("collectives time out on purpose, which ends TensorFlow's "
              "collective executor for good")
 
+# A worker blocked in a collective cannot act on the launcher's SIGTERM; it
+# reports when its 10 s collective timeout fires. The launcher's grace
+# before SIGKILL is longer, so that report always comes.
+LAUNCHER = ["--grace_seconds=30"]
+
 COUNTS = "examples per worker (ring; float32 x 3), all_reduce on group 1 of {} workers"
 
 
 @pytest.mark.multiworker
 def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
     dumps = tmp_path / "flight"
-    run = launch_workers("flight_worker.py", 3, tmp_path, why=TIMES_OUT,
+    run = launch_workers("flight_worker.py", 3, tmp_path, why=TIMES_OUT, launcher_args=LAUNCHER,
                          args=["stop"], timeout=240,
                          env={"TFSCALE_FLIGHT_RECORDER": str(dumps)})
     assert run.returncode != 0
@@ -54,7 +59,7 @@ def test_a_stopped_worker_is_named_and_the_others_say_where_they_wait(tmp_path):
 
 @pytest.mark.multiworker
 def test_a_worker_one_step_ahead_is_named_at_that_step(tmp_path):
-    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT, launcher_args=LAUNCHER,
                          args=["extra_step"], timeout=240)
     assert run.returncode != 0
     text = "\n".join(l for l in run.output.splitlines() if l.startswith("[worker 0] "))
@@ -73,7 +78,7 @@ def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tm
     # Worker 1 froze the last layer: the first gradient bucket (no fusion) is
     # the last layer's bias (2 floats) on worker 0, the first layer's bias
     # (16) on worker 1; TensorFlow refuses the collective.
-    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT, launcher_args=LAUNCHER,
                          args=["frozen_layer"], timeout=240)
     assert run.returncode != 0
     expected = {0: "gradient bucket 0 of 4 (ring; float32 x 2; variables "
@@ -97,7 +102,7 @@ def test_workers_with_other_trainable_variables_are_told_which_bucket_differs(tm
 def test_a_worker_that_builds_another_model_is_told_which_variable(tmp_path):
     # Worker 1's first layer has 17 units: the chief's broadcast of the first
     # variable's initial value (MWMS's) brings [8, 16] to its [8, 17].
-    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT,
+    run = launch_workers("flight_worker.py", 2, tmp_path, why=TIMES_OUT, launcher_args=LAUNCHER,
                          args=["other_model"], timeout=240)
     assert run.returncode != 0
     said = re.findall(r"WorkersDisagreeError: (Worker \d could not create its variable "
