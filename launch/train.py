@@ -19,6 +19,7 @@ from absl import app
 
 from tfscale import _requirements
 from tfscale import dataset_specs
+from tfscale.launch import garbage_collection
 from tfscale.launch import preflight
 from tfscale.launch import train_flags
 
@@ -83,7 +84,7 @@ def main(argv):
         if _requirements.tensorflow_missing():
             sys.exit(f"tfscale-train: {_requirements.tensorflow_missing()}")
         # TensorFlow is imported here, after the checks that need none of it.
-        from tfscale.launch import training
+        training = garbage_collection.import_frozen("tfscale.launch.training")
 
         training.validate_flags(config)
     except app.UsageError as error:  # one line, not the usage listing
@@ -94,6 +95,7 @@ def main(argv):
 def run():
     """tfscale-train's entry point: defines the flags, then parses and runs."""
     train_flags.define_flags()
+    garbage_collection.skip_final_collection()
     app.run(main)
 
 

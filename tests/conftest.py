@@ -97,8 +97,12 @@ def _check_installed_from_here():
 
 def pytest_sessionstart(session):
     """Checks which checkout is installed; refuses worker processes to
-    unmarked tests, their fixtures included."""
+    unmarked tests, their fixtures included; skips the collection at exit,
+    as tfscale-train does."""
     _check_installed_from_here()
+    from tfscale.launch import garbage_collection
+
+    garbage_collection.skip_final_collection()
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *rest, **kwargs):

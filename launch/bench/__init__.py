@@ -25,6 +25,7 @@ import sys
 from absl import app
 
 from tfscale.launch import flag_help
+from tfscale.launch import garbage_collection
 
 # Subcommand -> what it does, for the usage line.
 SUBCOMMANDS = {
@@ -80,6 +81,7 @@ def run(argv=None):
     command = importlib.import_module(f"tfscale.launch.bench.{name}")
     command.define_flags()
     _list_in_help(command)
+    garbage_collection.skip_final_collection()
     app.run(lambda args: _main(command, name, args), argv=argv)
 
 

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from tfscale.launch import garbage_collection
+
 # spec["command"] -> the module whose `measure(spec)` this worker runs.
 _MEASURES = {
     "allreduce": "tfscale.launch.bench.allreduce_worker",
@@ -40,4 +42,5 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("Usage: python -m tfscale.launch.bench.worker SPEC_PATH (written by "
                  f"tfscale-bench). Received: {' '.join(sys.argv[1:]) or 'nothing'}")
+    garbage_collection.skip_final_collection()
     main(sys.argv[1])

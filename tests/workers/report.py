@@ -3,6 +3,13 @@
 import json
 import os
 
+from tfscale.launch import garbage_collection
+
+# Every worker script imports this module: each exits in a fraction of a
+# second instead of seconds, as tfscale-train does
+# (tfscale.launch.garbage_collection).
+garbage_collection.skip_final_collection()
+
 
 def worker_index():
     config = json.loads(os.environ.get("TF_CONFIG", "{}"))
