@@ -18,6 +18,8 @@ from tfscale.launch import threads
 
 WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs a script in a fresh worker as tfscale-train starts (tests/fresh_worker.py).
+FRESH_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_worker.py")
 
 
 @dataclasses.dataclass
@@ -74,14 +76,15 @@ def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env
                    launcher_args=()):
     """Runs tests/workers/`script` as `num_workers` fresh processes through
     tfscale-launch, for tests that must own their processes; `why` says why
-    in one line (tests/README.md lists them). `launcher_args`: flags of
+    in one line (tests/README.md lists them). Each imports TensorFlow as
+    tfscale-train does (tests/fresh_worker.py). `launcher_args`: flags of
     tfscale-launch itself, e.g. `--grace_seconds=30`."""
     assert why, "say why this test needs processes of its own"
     results_dir = _results_dir(tmp_path, script, num_workers)
     command = [
         sys.executable, "-m", "tfscale.launch.local",
         f"--num_workers={num_workers}", f"--timeout={timeout}", *launcher_args, "--",
-        sys.executable, os.path.join(WORKERS_DIR, script), *args,
+        sys.executable, FRESH_WORKER, os.path.join(WORKERS_DIR, script), *args,
     ]
     run_env = dict(os.environ, TFSCALE_TEST_RESULTS=str(results_dir),
                    TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))

@@ -153,11 +153,14 @@ def test_a_waiting_evaluator_stops_on_ctrl_c_and_sigterm(tmp_path, signal_number
     try:
         assert process.stdout.readline() == "waiting\n"
         time.sleep(1)  # in the polling loop
-        sent = time.monotonic()
         process.send_signal(signal_number)
-        process.wait(timeout=10)
-        assert time.monotonic() - sent < 5
-        assert process.returncode != 0
+        # Generous: the signal ends the wait at once, but a TensorFlow
+        # process's exit can take many seconds on a busy machine.
+        process.wait(timeout=120)
+        # Died of the signal itself: SIGTERM's default action, or Ctrl-C's
+        # KeyboardInterrupt left uncaught (Python then exits by SIGINT).
+        # Swallowed, the wait would go on, and the poll's next sleep with it.
+        assert process.returncode == -signal_number
     finally:
         process.kill()
 

@@ -2,6 +2,7 @@
 with the collector paused and freeze what it loaded, skip the interpreter's
 last collection, and everything else of their exit still runs."""
 
+import os
 import subprocess
 import sys
 
@@ -100,3 +101,19 @@ train.run()
     assert "fashion" in process.stdout.lower() and str(tmp_path) in process.stdout, \
         process.stdout
     assert process.stdout.splitlines()[-1] == "frozen True times 2 collecting False"
+
+
+def test_a_fresh_test_worker_runs_its_script_as_python_would_with_tensorflow_frozen(tmp_path):
+    import multiworker
+
+    run = multiworker.launch_workers(
+        "pool_probe.py", 2, tmp_path, args=["process"],
+        why="what a fresh worker process starts with is the point")
+    multiworker.assert_succeeded(run)
+    for result in run.results:
+        assert result["argv0"] == os.path.join(multiworker.WORKERS_DIR, "pool_probe.py")
+        assert result["path0"] == multiworker.WORKERS_DIR
+        assert result["collecting"]
+        # TensorFlow's and Keras's module objects (~450,000), frozen before
+        # the script ran.
+        assert result["frozen"] > 100_000, result

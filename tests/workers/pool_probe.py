@@ -1,4 +1,5 @@
-"""What tests/test_worker_pool.py runs in reused workers.
+"""What tests/test_worker_pool.py runs in reused workers, and
+tests/test_garbage_collection.py in fresh ones.
 
 Usage: pool_probe.py MODE [--probe=VALUE]
 - `state`: reports what a script sees of the process: pid, Keras's dtype
@@ -7,9 +8,13 @@ Usage: pool_probe.py MODE [--probe=VALUE]
 - `dirty`: changes all of those, then reports them.
 - `fail`: worker 1 raises; the others wait for it in an all-reduce.
 - `determinism`: turns op determinism on.
+- `process`: reports how the process started: argv[0], sys.path[0], and
+  the garbage collector's state.
 """
 
+import gc
 import os
+import sys
 
 import keras
 import tensorflow as tf
@@ -46,6 +51,10 @@ def main(argv):
         strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
     elif mode == "determinism":
         tf.config.experimental.enable_op_determinism()
+    elif mode == "process":
+        report({"argv0": sys.argv[0], "path0": sys.path[0], "collecting": gc.isenabled(),
+                "frozen": gc.get_freeze_count()})
+        return
     report(state())
 
 
