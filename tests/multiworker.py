@@ -19,7 +19,7 @@ from tfscale.launch import threads
 WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs a script in a fresh worker as tfscale-train starts (tests/fresh_worker.py).
-FRESH_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_worker.py")
+FRESH_WORKER = os.path.join(REPO_ROOT, "tests", "fresh_worker.py")
 
 
 @dataclasses.dataclass
