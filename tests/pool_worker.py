@@ -15,9 +15,16 @@ Between scripts it restores what a script may change for the whole process
 absl flags, absl's verbosity, Keras's floatx, session and dtype policy) and
 refuses to go on where it cannot (op determinism switched on): that scenario fails
 and the pool is replaced, so no scenario sees what an earlier one left.
+
+Python's collector stays out of the way as in a tfscale-train worker
+(tfscale.launch.garbage_collection): TensorFlow is imported with it paused,
+then frozen; after each scenario, once its garbage is collected, what
+survived is frozen too, so the next scenario's full collections walk only
+its own objects.
 """
 
 import ctypes
+import gc
 import json
 import os
 import runpy
@@ -25,6 +32,11 @@ import signal
 import sys
 import tempfile
 import traceback
+
+from tfscale.launch import garbage_collection
+
+# Before the imports below, which then find TensorFlow and Keras loaded.
+garbage_collection.import_frozen("tfscale.strategy")
 
 from absl import app
 from absl import flags
@@ -69,6 +81,15 @@ def _restore(environ, cwd, verbosity, flag_names, floatx):
     keras.backend.clear_session()  # also unsets the dtype policy, as at start
 
 
+def _freeze_survivors():
+    """Moves what outlived the scenario (the libraries' caches, filled as
+    scenarios use them) out of the next scenario's full collections, with
+    the collector on as at start. Keras's `clear_session` in `_restore`
+    has just collected the scenario's garbage, which is not frozen."""
+    gc.freeze()
+    gc.enable()
+
+
 def run(request):
     """Runs one scenario; returns its exit status."""
     environ, cwd, verbosity = dict(os.environ), os.getcwd(), logging.get_verbosity()
@@ -97,6 +118,7 @@ def run(request):
         sys.stdout.flush()
         sys.stderr.flush()
         _restore(environ, cwd, verbosity, flag_names, floatx)
+        _freeze_survivors()
     if accessors.op_determinism_enabled() and not determinism_before:
         print(f"pool worker: {script or module} left process-wide state that later "
               "scenarios would see: {'op determinism': True}; run it in its own "

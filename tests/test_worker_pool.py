@@ -48,6 +48,23 @@ def test_a_failed_worker_ends_the_scenario_with_its_output_and_a_new_pool_follow
     assert not {r["pid"] for r in after.results} & {r["pid"] for r in before.results}
 
 
+def test_a_scenario_finds_the_earlier_ones_garbage_collected_its_survivors_frozen_and_the_collector_on(
+        tmp_path):
+    # After each scenario the pool collects (Keras's clear_session), then
+    # freezes what survived (garbage frozen instead would live as long as the
+    # pool), and switches the collector back on if the scenario left it off.
+    left = probe(tmp_path / "leave", "leave")
+    found = probe(tmp_path / "after", "process")
+    for run in (left, found):
+        multiworker.assert_succeeded(run)
+    for result in found.results:
+        assert result["garbage_alive"] is False, result
+        assert result["survivor_frozen"] is True, result
+        assert result["collecting"], result
+        # TensorFlow's and Keras's module objects, frozen at start.
+        assert result["frozen"] > 100_000, result
+
+
 def test_op_determinism_left_on_fails_the_scenario_naming_it(tmp_path):
     run = probe(tmp_path, "determinism")
     assert run.returncode != 0
