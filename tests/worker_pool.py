@@ -26,9 +26,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Pools kept at once; a size asked for beyond that ends the least recently
-# used one (each worker holds TensorFlow: 0.5-1 GB).
-MAX_POOLS = 3
+# Pools kept at once: one for each worker count the suite uses (1 to 5); a
+# size asked for beyond that ends the least recently used one. An idle
+# worker's own memory is ~0.4 GB (Private_Dirty in /proc/PID/smaps_rollup),
+# beside ~0.4 GB of TensorFlow's libraries that all workers share, so 15 of
+# them leave room for test_scale.py's 9 fresh workers.
+MAX_POOLS = 5
 
 _pools = {}  # num_workers -> WorkerPool, least recently used first
 _scenario_ids = itertools.count()
