@@ -304,6 +304,26 @@ def test_gpucheck_ring_only_checks_every_algorithm_on_cpu_workers(tmp_path):
         "busbw = algbw * 2(n-1)/n. NCCL was NOT checked (--ring_only).")
 
 
+def test_gpucheck_ring_only_refuses_one_worker_without_importing_tensorflow(tmp_path):
+    # --ring_only reads no GPU count, so its checks come before any import
+    # of TensorFlow: the process reports what it imported when it exits.
+    script = ("import json, sys\n"
+              "from tfscale.launch.bench import run\n"
+              "try:\n"
+              "    run()\n"
+              "except SystemExit as exit:\n"
+              "    print(json.dumps([exit.code, sorted(m for m in sys.modules if m in (\n"
+              "        'tensorflow', 'tfscale.launch.bench.gpucheck'))]))\n")
+    process = subprocess.run(
+        [sys.executable, "-c", script, "gpucheck", "--ring_only", "--num_workers=1"],
+        cwd=str(tmp_path), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, timeout=120)
+    assert process.stderr.strip().splitlines()[-1] == (
+        "tfscale-bench gpucheck: gpucheck needs 2 or more workers (one per GPU); "
+        "it would run 1."), process.stderr[-3000:]
+    assert json.loads(process.stdout) == [1, ["tfscale.launch.bench.gpucheck"]]
+
+
 def test_scale_reports_start_up_memory_and_checks_each_algorithm(tmp_path):
     # 3 workers share a global batch of 37 (13, 12, 12); the default
     # strategy and the ring each train as one worker does.

@@ -17,8 +17,9 @@ TIMES_OUT = ("collectives time out on purpose, which ends TensorFlow's "
 
 # A worker blocked in a collective cannot act on the launcher's SIGTERM; it
 # reports when its 10 s collective timeout fires. The launcher's grace
-# before SIGKILL is longer, so that report always comes.
-LAUNCHER = ["--grace_seconds=30"]
+# before SIGKILL is longer than that whole timeout, so that report always
+# comes (and a stopped worker, which ignores SIGTERM, holds the job no longer).
+LAUNCHER = ["--grace_seconds=15"]
 
 COUNTS = "examples per worker (ring; float32 x 3), all_reduce on group 1 of {} workers"
 

@@ -32,7 +32,8 @@ def test_a_stalled_worker_fails_the_others_after_the_timeout(run):
     # nothing wrong; worker 0's watchdog stops its collectives.
     stall = run.results[0]["stall"]
     assert stall is not None, run.output[-6000:]
-    # It fired after the timeout, while worker 1 still slept (4 timeouts).
+    # It fired after the timeout, while worker 1 still slept (until worker 0
+    # reported, at most 4 timeouts).
     assert STALL_TIMEOUT <= stall["seconds"] < 4 * STALL_TIMEOUT, stall
     assert (f"of this worker waited {STALL_TIMEOUT} s for the other workers with "
             "none completing (the collective timeout, "

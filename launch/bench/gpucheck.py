@@ -74,16 +74,17 @@ def main():
     on GPUs, the commands to run next). With --commands only prints those."""
     if FLAGS.commands:
         return _print_commands()
-    num_gpus = gpus_here()
-    if not num_gpus and not FLAGS.ring_only:
+    # --ring_only needs no GPU, so this process need not import TensorFlow.
+    num_gpus = None if FLAGS.ring_only else gpus_here()
+    if num_gpus == 0:
         raise RuntimeError(_no_gpu_message())
     num_workers = FLAGS.num_workers
     if not FLAGS.ring_only and not FLAGS["num_workers"].present:
         num_workers = num_gpus
     if num_workers < 2:
-        raise ValueError(
-            f"gpucheck needs 2 or more workers (one per GPU); it would run "
-            f"{num_workers} (TensorFlow sees {num_gpus} GPU(s) here).")
+        seen = "" if num_gpus is None else f" (TensorFlow sees {num_gpus} GPU(s) here)"
+        raise ValueError(f"gpucheck needs 2 or more workers (one per GPU); it would "
+                         f"run {num_workers}{seen}.")
     gpus_per_node = None
     if not FLAGS.ring_only:
         if num_workers > num_gpus:

@@ -59,8 +59,10 @@ def measure(spec):
     """Trains as train_worker.measure does, under DataParallel.
 
     Returns:
-        `{"rank", "runs"}`: per precision a "compute" and a "distributed"
-        run, each with its per-step seconds and losses.
+        `{"rank", "runs"}`: per precision a "compute" run and, unless
+        `spec["alone"]` (the 1-process baseline, which is read for its
+        compute runs only), a "distributed" run, each with its per-step
+        seconds and losses.
     """
     rank, num_workers, coordinator = _cluster()
     # gloo: JAX's CPU collectives between processes (its default since 0.5.1),
@@ -77,14 +79,15 @@ def measure(spec):
         multihost_utils.sync_global_devices(f"compute {precision}")
         runs.append({"precision": precision, "phase": "compute",
                      **_fit(spec, weights, images, labels)})
-        multihost_utils.sync_global_devices(f"distributed {precision}")
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(auto_shard_dataset=False))
-        try:
-            runs.append({"precision": precision, "phase": "distributed",
-                         **_fit(spec, weights, images, labels)})
-        finally:
-            keras.distribution.set_distribution(None)
+        if not spec.get("alone", False):
+            multihost_utils.sync_global_devices(f"distributed {precision}")
+            keras.distribution.set_distribution(
+                keras.distribution.DataParallel(auto_shard_dataset=False))
+            try:
+                runs.append({"precision": precision, "phase": "distributed",
+                             **_fit(spec, weights, images, labels)})
+            finally:
+                keras.distribution.set_distribution(None)
         if rank == 0:
             train_model.print_progress(spec, precision, runs)
     keras.mixed_precision.set_global_policy("float32")

@@ -286,8 +286,8 @@ def main():
         jax_single = None
         if with_jax:
             jax_single = cluster.launch_workers(
-                dict(spec, kind=cluster.JAX, name="jax_single"), work_dir, "jax_single",
-                num_workers=1, emulate=False)
+                dict(spec, kind=cluster.JAX, name="jax_single", alone=True), work_dir,
+                "jax_single", num_workers=1, emulate=False)
         launches, launch_thresholds = {}, {}
         for name, algorithm, compression, threshold in _launches(configs, thresholds):
             kind = algorithm if algorithm in _BASELINES else "tfscale"

@@ -50,7 +50,10 @@ def test_a_worker_killed_mid_epoch_resumes_at_the_saved_step(tmp_path):
     results.mkdir()
     env = worker_env(results, {"TFSCALE_RUN": marker, "TFSCALE_STEP_SECONDS": "0.4"})
     first = subprocess.Popen(
-        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=300", "--",
+        # Worker 0 waits for its killed peer where SIGTERM cannot reach it:
+        # a short grace before SIGKILL.
+        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=300",
+         "--grace_seconds=2", "--",
          sys.executable, os.path.join(WORKERS_DIR, SCRIPT), str(backup), "tfscale_backup"],
         cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
