@@ -65,6 +65,26 @@ def test_a_scenario_finds_the_earlier_ones_garbage_collected_its_survivors_froze
         assert result["frozen"] > 100_000, result
 
 
+def test_pools_over_the_memory_limit_end_the_least_recently_used_and_are_replaced(
+        tmp_path, monkeypatch):
+    import worker_pool
+
+    one = probe(tmp_path / "one", "state", num_workers=1)
+    multiworker.assert_succeeded(one)
+    held = worker_pool._pools[1].own_memory_bytes()
+    assert held > 100 << 20  # TensorFlow's own heap: the reading works
+    # Pool 1 alone is over the limit: asked for, it is replaced.
+    monkeypatch.setattr(worker_pool, "MAX_POOLS_MEMORY_BYTES", held // 2)
+    again = probe(tmp_path / "again", "state", num_workers=1)
+    multiworker.assert_succeeded(again)
+    assert again.results[0]["pid"] != one.results[0]["pid"]
+    # Another size asked for ends it, the least recently used.
+    replaced = worker_pool._pools[1]
+    two = probe(tmp_path / "two", "state", num_workers=2)
+    multiworker.assert_succeeded(two)
+    assert list(worker_pool._pools) == [2] and not replaced.alive()
+
+
 def test_op_determinism_left_on_fails_the_scenario_naming_it(tmp_path):
     run = probe(tmp_path, "determinism")
     assert run.returncode != 0

@@ -27,11 +27,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Pools kept at once: one for each worker count the suite uses (1 to 5); a
-# size asked for beyond that ends the least recently used one. An idle
-# worker's own memory is ~0.4 GB (Private_Dirty in /proc/PID/smaps_rollup),
-# beside ~0.4 GB of TensorFlow's libraries that all workers share, so 15 of
-# them leave room for test_scale.py's 9 fresh workers.
+# size asked for beyond that ends the least recently used one.
 MAX_POOLS = 5
+# What the kept pools' workers may hold of their own (Private_Dirty in
+# /proc/PID/smaps_rollup, beside ~0.4 GB of TensorFlow's libraries that all
+# of them share). A worker holds ~0.4 GB after a small scenario, but one
+# that ran many grows: 3-4 GB in a full run. Beyond this, the least
+# recently used pools end (or the one asked for, if it alone holds that
+# much), which leaves room for the pytest process (~2 GB) and
+# test_scale.py's 9 fresh workers (~7 GB) on a 24 GB machine.
+MAX_POOLS_MEMORY_BYTES = 8 << 30
 
 _pools = {}  # num_workers -> WorkerPool, least recently used first
 _scenario_ids = itertools.count()
@@ -63,6 +68,18 @@ class WorkerPool:
 
     def alive(self):
         return all(p.poll() is None for p in self.processes)
+
+    def own_memory_bytes(self):
+        """What this pool's workers hold of their own (not shared pages)."""
+        total = 0
+        for process in self.processes:
+            try:
+                with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
+                    total += 1024 * next(int(line.split()[1]) for line in rollup
+                                         if line.startswith("Private_Dirty:"))
+            except (OSError, StopIteration):  # gone: alive() says so
+                pass
+        return total
 
     def run(self, target, args, cwd, env, timeout):
         """Runs `target` (`{"script": path}` or `{"module": name}`) with
@@ -135,12 +152,18 @@ class WorkerPool:
 def pool(num_workers, env):
     """The live pool of `num_workers`, started if there is none."""
     existing = _pools.pop(num_workers, None)
-    if existing is not None and not existing.alive():
+    memory = {size: kept.own_memory_bytes() for size, kept in _pools.items()}
+    if existing is not None and (
+            not existing.alive() or existing.own_memory_bytes() > MAX_POOLS_MEMORY_BYTES):
         existing.close()
         existing = None
+    own = 0 if existing is None else existing.own_memory_bytes()
+    while _pools and (len(_pools) >= MAX_POOLS
+                      or own + sum(memory.values()) > MAX_POOLS_MEMORY_BYTES):
+        oldest = next(iter(_pools))
+        _pools[oldest].close()
+        del memory[oldest]
     if existing is None:
-        while len(_pools) >= MAX_POOLS:
-            _pools[next(iter(_pools))].close()
         existing = WorkerPool(num_workers, env)
     _pools[num_workers] = existing  # now the most recently used
     return existing
