@@ -71,7 +71,7 @@ def test_pools_over_the_memory_limit_end_the_least_recently_used_and_are_replace
 
     one = probe(tmp_path / "one", "state", num_workers=1)
     multiworker.assert_succeeded(one)
-    held = worker_pool._pools[1].own_memory_bytes()
+    held = worker_pool.kept()[1].own_memory_bytes()
     assert held > 100 << 20  # TensorFlow's own heap: the reading works
     # Pool 1 alone is over the limit: asked for, it is replaced.
     monkeypatch.setattr(worker_pool, "MAX_POOLS_MEMORY_BYTES", held // 2)
@@ -79,10 +79,10 @@ def test_pools_over_the_memory_limit_end_the_least_recently_used_and_are_replace
     multiworker.assert_succeeded(again)
     assert again.results[0]["pid"] != one.results[0]["pid"]
     # Another size asked for ends it, the least recently used.
-    replaced = worker_pool._pools[1]
+    replaced = worker_pool.kept()[1]
     two = probe(tmp_path / "two", "state", num_workers=2)
     multiworker.assert_succeeded(two)
-    assert list(worker_pool._pools) == [2] and not replaced.alive()
+    assert list(worker_pool.kept()) == [2] and not replaced.alive()
 
 
 def test_op_determinism_left_on_fails_the_scenario_naming_it(tmp_path):

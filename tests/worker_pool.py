@@ -169,6 +169,11 @@ def pool(num_workers, env):
     return existing
 
 
+def kept():
+    """`{num_workers: WorkerPool}` of the pools kept, least recently used first."""
+    return dict(_pools)
+
+
 def close_all():
     for worker_pool in list(_pools.values()):
         worker_pool.close()
