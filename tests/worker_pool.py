@@ -152,12 +152,11 @@ class WorkerPool:
 def pool(num_workers, env):
     """The live pool of `num_workers`, started if there is none."""
     existing = _pools.pop(num_workers, None)
-    memory = {size: kept.own_memory_bytes() for size, kept in _pools.items()}
-    if existing is not None and (
-            not existing.alive() or existing.own_memory_bytes() > MAX_POOLS_MEMORY_BYTES):
-        existing.close()
-        existing = None
     own = 0 if existing is None else existing.own_memory_bytes()
+    if existing is not None and (not existing.alive() or own > MAX_POOLS_MEMORY_BYTES):
+        existing.close()
+        existing, own = None, 0
+    memory = {size: kept.own_memory_bytes() for size, kept in _pools.items()}
     while _pools and (len(_pools) >= MAX_POOLS
                       or own + sum(memory.values()) > MAX_POOLS_MEMORY_BYTES):
         oldest = next(iter(_pools))
