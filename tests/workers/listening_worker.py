@@ -5,10 +5,10 @@ results directory (at most 120 s)."""
 
 import json
 import os
-import time
 
 import tfscale
 from report import report
+from report import wait_for_file
 
 config = json.loads(os.environ["TF_CONFIG"])
 strategy = tfscale.Strategy()
@@ -18,6 +18,4 @@ report({
     "netns": os.readlink("/proc/self/ns/net"),
 })
 release = os.path.join(os.environ["TFSCALE_TEST_RESULTS"], "release")
-deadline = time.monotonic() + 120
-while not os.path.exists(release) and time.monotonic() < deadline:
-    time.sleep(0.2)
+wait_for_file(release, 120)

@@ -5,7 +5,6 @@ Reports the worker's thread count before and after 300 steps of the fast fit
 this worker waited before its collectives failed and with what message.
 """
 
-import os
 import time
 
 import numpy as np
@@ -16,6 +15,8 @@ from absl import flags
 import keras
 import tfscale
 from report import report
+from report import result_path
+from report import wait_for_file
 from report import worker_index
 
 flags.DEFINE_float("stall_timeout", 5, "Collective timeout of the stalled fit.")
@@ -39,14 +40,6 @@ def fit(strategy, steps, callbacks=()):
               callbacks=list(callbacks))
 
 
-def sleep_until_reported(index, at_most):
-    """Sleeps until worker `index` has reported, for at most `at_most` s."""
-    path = os.path.join(os.environ["TFSCALE_TEST_RESULTS"], f"worker-{index}.json")
-    deadline = time.monotonic() + at_most
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 class Stall(keras.callbacks.Callback):
     """Worker 1 sleeps before batch 3 until worker 0 has reported (its
     collectives stopped), at most 4 timeouts; the others note when they got
@@ -60,7 +53,7 @@ class Stall(keras.callbacks.Callback):
         if batch == 3:
             self.started = time.monotonic()
             if worker_index() == 1:
-                sleep_until_reported(0, 4 * FLAGS.stall_timeout)
+                wait_for_file(result_path(0), 4 * FLAGS.stall_timeout)
 
 
 def main(argv):
