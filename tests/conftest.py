@@ -9,10 +9,7 @@ while working. Unmarked tests that start such a process fail, naming the mark,
 so the fast tier stays fast and the marks stay true.
 """
 
-import functools
-import inspect
 import os
-import re
 import subprocess
 import sys
 
@@ -31,31 +28,15 @@ def pytest_configure(config):
         '-m "not multiworker" for the fast tier')
 
 
-# What a module calls to run scenarios in the reused worker pools.
-_POOL_CALLS = re.compile(r"\b(run_workers|run_train|run_module|worker_pool)\(")
-
-
-@functools.lru_cache(maxsize=None)
-def _uses_the_pools(module):
-    return bool(_POOL_CALLS.search(inspect.getsource(module)))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's `-n 2 --dist loadgroup` (the whole suite on
-    two processes, tests/README.md): a module's tests stay in one process, so its
-    module fixtures run once; every module that runs scenarios in the reused
-    worker pools (tests/worker_pool.py) shares one process, so the pools are
-    started once. At most two multi-worker jobs run at once, one per
-    process: while one's workers wait (for a timeout, a restart, a peer),
-    the other's compute."""
-    if not getattr(config.option, "loadgroup", False):  # not -n N --dist loadgroup
+    """Under pytest-xdist (`-n 2 --dist loadfile`, README's test command),
+    the modules that start workers go first, each kept whole: xdist hands
+    out modules in this order, so the long ones start early and the
+    fast-tier modules, seconds each, fill in at the end instead of one
+    long module running alone on a machine that is otherwise done."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: any order
         return
-    for item in items:
-        module = item.module
-        group = ("worker-pools" if _uses_the_pools(module)
-                 else item.nodeid.split("::", 1)[0])
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("multiworker") is None)
 
 
 def _starts_a_worker(args):

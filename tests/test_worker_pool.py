@@ -1,12 +1,6 @@
 """The reused worker processes (tests/worker_pool.py, tests/pool_worker.py):
 a scenario sees nothing an earlier one changed, and one that fails or
-leaves what cannot be undone ends its pool with every worker's output; two
-pytest processes keep the pools in one of them."""
-
-import os
-import re
-import subprocess
-import sys
+leaves what cannot be undone ends its pool with every worker's output."""
 
 import pytest
 
@@ -90,22 +84,3 @@ def test_op_determinism_left_on_fails_the_scenario_naming_it(tmp_path):
     assert run.returncode != 0
     assert ("left process-wide state that later scenarios would see: "
             "{'op determinism': True}") in run.output
-
-
-def test_two_pytest_processes_keep_every_pool_module_in_one_and_each_module_whole(tmp_path):
-    # tests/README.md's `-n 2 --dist loadgroup`: the pool modules share a
-    # group (one process, pools started once); any other module is its own.
-    tests = os.path.dirname(os.path.abspath(__file__))
-    process = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
-         "-n", "2", "--dist", "loadgroup", f"--basetemp={tmp_path / 'base'}",
-         "-k", "cardinality or routed_loss_scaling or evaluator_role_comes",
-         os.path.join(tests, "test_uneven_data.py"), os.path.join(tests, "test_train_flags.py")],
-        cwd=os.path.dirname(tests), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=300)
-    assert process.returncode == 0, process.stdout[-3000:]
-    passed = re.findall(r"PASSED (\S+)", process.stdout)
-    pooled = [p for p in passed if p.startswith("tests/test_uneven_data.py::")]
-    alone = [p for p in passed if p.startswith("tests/test_train_flags.py::")]
-    assert len(pooled) == 2 and all(p.endswith("@worker-pools") for p in pooled), passed
-    assert alone and all(p.endswith("@tests/test_train_flags.py") for p in alone), passed

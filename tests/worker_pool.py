@@ -35,8 +35,9 @@ MAX_POOLS = 5
 # that ran many grows: 3-4 GB in a full run. Beyond this, the least
 # recently used pools end (or the one asked for, if it alone holds that
 # much), which leaves room for the pytest process (~2 GB) and
-# test_scale.py's 9 fresh workers (~7 GB) on a 24 GB machine.
-MAX_POOLS_MEMORY_BYTES = 8 << 30
+# test_scale.py's 9 fresh workers (~7 GB) on a 24 GB machine. Under
+# pytest-xdist each pytest process keeps pools of its own: they share it.
+MAX_POOLS_MEMORY_BYTES = (8 << 30) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 _pools = {}  # num_workers -> WorkerPool, least recently used first
 _scenario_ids = itertools.count()
