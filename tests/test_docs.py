@@ -470,7 +470,7 @@ def test_readme_keeps_what_ci_runs():
     python = ["\n".join(b.lines) for b in page.blocks if b.language == "python"]
     assert bash[:2] == [
         'pip install -e ".[cpu,test]" && tfscale-launch --num_workers=2 -- tfscale-train',
-        "python -m pytest tests -q -rs",
+        "python -m pytest tests -q -rs -n 2 --dist loadfile",
     ], f"README.md's first two ```bash blocks changed: {bash[:2]}"
     assert python and 'tf.saved_model.load("tfscale_export")' in python[0], (
         "README.md's first ```python block is no longer the serving snippet")

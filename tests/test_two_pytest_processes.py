@@ -15,11 +15,18 @@ pytestmark = pytest.mark.multiworker
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def environment(**extra):
+    """This environment without what pytest-xdist sets in its own processes
+    (this suite may run under it), with the tests' helpers importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    return dict(env, PYTHONPATH=TESTS, **extra)
+
+
 def run_pytest(tmp_path, *args):
     process = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-v",
          *args, "test_fast.py", "test_workers.py"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=TESTS), stdout=subprocess.PIPE,
+        cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:]
     # "test_fast.py::test_fast PASSED", or under xdist "[gw0] ... PASSED test_fast.py::test_fast"
@@ -43,7 +50,7 @@ def test_the_pytest_processes_share_the_pools_memory_budget():
     def budget(**env):
         return int(subprocess.run(
             [sys.executable, "-c", "import worker_pool; print(worker_pool.MAX_POOLS_MEMORY_BYTES)"],
-            env=dict(os.environ, PYTHONPATH=TESTS, **env), capture_output=True, text=True,
+            env=environment(**env), capture_output=True, text=True,
             check=True).stdout)
 
     alone = budget()
