@@ -59,8 +59,9 @@ setuptools.setup(
         "tensorflow": [f"tensorflow{_TENSORFLOW}"],
         "plots": _PLOTS,  # tfscale-bench --plot, timeline plots, studies
         "imagenet": _IMAGENET,
-        # pyyaml: tests/test_deploy.py; pytest-xdist: README's fast tier on
-        # two processes; the suite also tests the plots and ImageNet's reader.
+        # pyyaml: tests/test_deploy.py; pytest-xdist: README's test command
+        # and fast tier, on two processes; the suite also tests the plots and
+        # ImageNet's reader.
         "test": ["pytest", "pytest-xdist", "pyyaml", *_PLOTS, *_IMAGENET],
         "jax": _JAX,
         # The JAX tier (.ci/jax), in an environment without TensorFlow. Not

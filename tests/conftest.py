@@ -30,8 +30,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadfile`, README's test command),
-    the modules that start workers go first, each kept whole: xdist hands
-    out modules in this order, so the long ones start early and the
+    the modules that start workers go first: xdist hands out whole modules
+    (`--dist loadfile`) in this order, so the long ones start early and the
     fast-tier modules, seconds each, fill in at the end instead of one
     long module running alone on a machine that is otherwise done."""
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: any order
