@@ -36,18 +36,18 @@ _frozen_imports = False
 _exit_registered = False
 
 
-def import_frozen(name):
-    """Imports module `name` with the collector paused and freezes the heap
-    after it; returns the module. The freeze happens once per process (a
+def import_frozen(*names):
+    """Imports the modules `names` with the collector paused and freezes the
+    heap after them; returns the last. The freeze happens once per process (a
     reused test worker runs tfscale-train many times; a second freeze would
     keep the garbage of earlier runs for good)."""
     global _frozen_imports
     if _frozen_imports:
-        return importlib.import_module(name)
+        return [importlib.import_module(name) for name in names][-1]
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        module = importlib.import_module(name)
+        module = [importlib.import_module(name) for name in names][-1]
         gc.freeze()
         _frozen_imports = True
         return module

@@ -68,8 +68,16 @@ With `--gpus_per_node=K` each worker sees exactly one GPU: one worker per GPU,
 so K must equal the workers per node (--num_workers, or --num_workers /
 --emulate_nodes). A worker's GPU follows its slot across restarts. Unset,
 the workers inherit the launcher's environment, CUDA_VISIBLE_DEVICES included.
+
+    tfscale-launch --num_workers=4 --preload=tfscale.strategy -- tfscale-train ...
+
+With `--preload=MODULES` the workers are forked from one process that
+imported MODULES, so no launch or restart imports TensorFlow per worker
+again; the launcher adopts them, and all of the above holds as for fresh
+workers (see launch/preload.py).
 """
 
+import atexit
 import ctypes
 import functools
 import json
@@ -90,6 +98,7 @@ from tfscale.launch import flag_help
 from tfscale.launch import gpus
 from tfscale.launch import netns
 from tfscale.launch import ports
+from tfscale.launch import preload
 from tfscale.launch import restarts
 from tfscale.launch import threads
 
@@ -167,6 +176,15 @@ def define_flags():
         "/ --emulate_nodes). A worker's GPU follows its slot across restarts. "
         "Unset: workers inherit the launcher's environment.",
         lower_bound=1,
+    )
+    flags.DEFINE_list(
+        "preload", [],
+        "Fork the workers from one process that has imported these Python "
+        "modules (e.g. tensorflow,keras) instead of starting each afresh: each "
+        "worker, at every launch and restart, is spared that import. The "
+        "command must be Python run by this interpreter (python SCRIPT, python "
+        "-m MODULE, or a console script such as tfscale-train). Linux only; "
+        "see launch/preload.py. Unset: fresh processes.",
     )
 
     @flags.multi_flags_validator(["num_workers", "emulate_nodes", "gpus_per_node"])
@@ -264,23 +282,36 @@ class Workers:
     """A group of worker processes, each in its own session (process group),
     so stopping a worker also stops whatever it started."""
 
-    def __init__(self, command, envs, prefixes=None):
+    def __init__(self, command, envs, prefixes=None, namespaces=None,
+                 preloaded=None):
+        """Worker I runs `command` with `envs[I]`: as `prefixes[I]` +
+        `command` (`ip netns exec NS` for a namespace), or forked from
+        `preloaded` (a `preload.PreloadProcess`) into namespace
+        `namespaces[I]` (None: this one)."""
         self._lock = threading.Lock()
         self.bind_failures = set()  # indices of workers that could not bind
         self.flight_positions = {}  # index: its flight recorder's last report
         self.processes = []
         self._printers = []
         for index, env in enumerate(envs):
-            prefix = list(prefixes[index]) if prefixes else []
-            process = subprocess.Popen(
-                prefix + list(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_launcher,
-            )
+            if preloaded is not None:
+                try:
+                    process = preloaded.start(preload.python_target(command), env,
+                                              namespaces[index] if namespaces else None)
+                except preload.PreloadError:
+                    self.stop(grace_seconds=0)
+                    raise
+            else:
+                prefix = list(prefixes[index]) if prefixes else []
+                process = subprocess.Popen(
+                    prefix + list(command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_launcher,
+                )
             self.processes.append(process)
             printer = threading.Thread(
                 target=self._print_lines, args=(index, process.stdout), daemon=True
@@ -353,7 +384,7 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
            inter_node_latency=netns.DEFAULT_LATENCY, pick_ports=ports.free_ports,
            max_restarts=0, min_workers=None,
            restart_window=restarts.DEFAULT_RESTART_WINDOW, isolate="auto",
-           gpus_per_node=None):
+           gpus_per_node=None, preload_modules=()):
     """Runs `command` as `num_workers` workers; returns the exit code.
 
     `isolate` ("auto", "yes", "no"): whether the workers run in a network
@@ -367,6 +398,8 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
     up to `max_restarts` times, dropping slots down to `min_workers`
     (`launch.restarts.RestartPolicy`); `timeout` bounds the whole run.
     `gpus_per_node`: give each worker one GPU (launch/gpus.py).
+    `preload_modules`: fork the workers from a process that imported these
+    (launch/preload.py); empty: start each afresh.
     """
     if isolate not in ISOLATE_CHOICES:
         raise ValueError(f"isolate must be one of {ISOLATE_CHOICES}, got {isolate!r}")
@@ -392,6 +425,11 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
     # from each worker; say it once, before making anything.
     if shutil.which(command[0]) is None:
         return _command_not_found(command)
+    if preload_modules:
+        problem = _preload_problem(command)
+        if problem:
+            print(f"tfscale-launch: {problem}", file=sys.stderr)
+            return 2
     policy = restarts.RestartPolicy(
         num_workers, max_restarts, min_workers, restart_window)
     share = threads.describe(num_workers)
@@ -402,11 +440,12 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
         return _launch_emulated(
             command, policy, timeout, grace_seconds, emulate_nodes,
             inter_node_rate, inter_node_burst, inter_node_latency, start,
-            gpu_of_slot,
+            gpu_of_slot, preload_modules,
         )
     if isolate != "no":
         code = _launch_isolated(command, policy, timeout, grace_seconds, start,
-                                required=isolate == "yes", gpu_of_slot=gpu_of_slot)
+                                required=isolate == "yes", gpu_of_slot=gpu_of_slot,
+                                preload_modules=preload_modules)
         if code is not None:
             return code
 
@@ -417,7 +456,7 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
                 return _run_workers(
                     command, addresses, timeout, grace_seconds, start=start,
                     retry=attempt < PORT_ATTEMPTS, slots=slots, restart=restart,
-                    gpu_of_slot=gpu_of_slot)
+                    gpu_of_slot=gpu_of_slot, preload_modules=preload_modules)
             except _PortTaken as taken:
                 print(f"tfscale-launch: {taken}; stopped every worker, relaunching "
                       f"all on fresh ports (attempt {attempt + 1} of "
@@ -425,6 +464,36 @@ def launch(command, num_workers, timeout=0, grace_seconds=10, host="127.0.0.1",
 
     return _with_signals_as_interrupts(
         lambda: _supervise(policy, launch_slots, timeout, start))
+
+
+def _preload_problem(command):
+    """Why `command` cannot be forked from a preload process, or None."""
+    if not sys.platform.startswith("linux"):
+        return "--preload needs Linux (setns, PR_SET_CHILD_SUBREAPER)."
+    if preload.python_target(command) is None:
+        return (f"--preload forks Python workers: the command must be `python "
+                f"SCRIPT`, `python -m MODULE` or a script whose #! line names this "
+                f"Python ({sys.executable}); {command[0]!r} is none of these. Leave "
+                "--preload unset to start it afresh.")
+    return None
+
+
+_preloaded = None  # this launcher's preload process, kept across launches
+
+
+def _preload_process(modules, env):
+    """A preload process of `modules` for workers of environment `env`: the
+    one of earlier launches and restarts (sparing them the imports) unless
+    it serves other modules or another environment."""
+    global _preloaded
+    if _preloaded is not None and _preloaded.serves(modules, env):
+        return _preloaded
+    if _preloaded is None:
+        atexit.register(lambda: _preloaded.close())
+    else:
+        _preloaded.close()
+    _preloaded = preload.PreloadProcess(modules, env)
+    return _preloaded
 
 
 def _command_not_found(command):
@@ -481,7 +550,7 @@ def _supervise(policy, launch_slots, timeout, start):
 
 
 def _launch_isolated(command, policy, timeout, grace_seconds, start, required,
-                     gpu_of_slot=None):
+                     gpu_of_slot=None, preload_modules=()):
     """`launch` in one network namespace, on 127.0.0.1 there; None where the
     namespace cannot be made and isolation is not `required` (the caller then
     launches on this machine's network, after the message printed here)."""
@@ -496,7 +565,8 @@ def _launch_isolated(command, policy, timeout, grace_seconds, start, required,
             command, [f"127.0.0.1:{_launch_port(i, restart, num_workers)}"
                       for i in range(len(slots))],
             timeout, grace_seconds, start=start, prefixes=[prefix] * len(slots),
-            slots=slots, restart=restart, gpu_of_slot=gpu_of_slot,
+            namespaces=[cluster.nodes[0]] * len(slots), slots=slots,
+            restart=restart, gpu_of_slot=gpu_of_slot, preload_modules=preload_modules,
         )
 
     announce = (f"workers isolated in network namespace {cluster.nodes[0]}: "
@@ -517,7 +587,8 @@ def _launch_isolated(command, policy, timeout, grace_seconds, start, required,
 
 
 def _launch_emulated(command, policy, timeout, grace_seconds, num_nodes,
-                     rate, burst, latency, start, gpu_of_slot=None):
+                     rate, burst, latency, start, gpu_of_slot=None,
+                     preload_modules=()):
     """`launch` with the workers in emulated nodes (launch/netns.py)."""
     num_workers = len(policy.slots)
     problem = check_emulation_flags(num_workers, num_nodes, rate, burst, latency)
@@ -535,7 +606,9 @@ def _launch_emulated(command, policy, timeout, grace_seconds, num_nodes,
                       for w in cluster.workers],
             timeout, grace_seconds, start=start,
             prefixes=[w.prefix for w in cluster.workers],
+            namespaces=[w.netns for w in cluster.workers],
             slots=slots, restart=restart, gpu_of_slot=gpu_of_slot,
+            preload_modules=preload_modules,
         )
 
     try:
@@ -596,12 +669,15 @@ def _launch_port(index, restart, num_workers):
 
 
 def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
-                 start=None, retry=False, slots=None, restart=0, gpu_of_slot=None):
+                 start=None, retry=False, slots=None, restart=0, gpu_of_slot=None,
+                 namespaces=None, preload_modules=()):
     """Runs one worker per address until all succeed, one fails or time is up
     (`timeout` counted from `start`, default now).
 
     Worker I gets slot `slots[I]` (default I) and `restart` in its
-    environment, and CUDA_VISIBLE_DEVICES=`gpu_of_slot(slots[I])` if given. Returns an exit code, or a `restarts.WorkerFailure` when a
+    environment, and CUDA_VISIBLE_DEVICES=`gpu_of_slot(slots[I])` if given. It
+    runs as `prefixes[I]` + `command`, or forked into `namespaces[I]` from a
+    process that imported `preload_modules` when given. Returns an exit code, or a `restarts.WorkerFailure` when a
     worker failed (every worker is stopped by then). With `retry`, raises
     _PortTaken instead when a worker could not bind its port.
     """
@@ -615,9 +691,14 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
         if gpu_of_slot is not None:
             envs[-1]["CUDA_VISIBLE_DEVICES"] = gpu_of_slot(slot)
     try:
-        workers = Workers(command, envs, prefixes)
+        preloaded = (_preload_process(preload_modules, envs[0])
+                     if preload_modules else None)
+        workers = Workers(command, envs, prefixes, namespaces, preloaded)
     except FileNotFoundError:
         return _command_not_found(command)
+    except preload.PreloadError as error:
+        print(f"tfscale-launch: {error}.", file=sys.stderr, flush=True)
+        return 2
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     launched = time.monotonic()
@@ -687,6 +768,7 @@ def main(argv):
             restart_window=FLAGS.restart_window,
             isolate=FLAGS.isolate,
             gpus_per_node=FLAGS.gpus_per_node,
+            preload_modules=FLAGS.preload,
         )
     )
 

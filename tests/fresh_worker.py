@@ -16,7 +16,7 @@ from tfscale.launch import garbage_collection
 if __name__ == "__main__":
     # The strategy module pulls in TensorFlow, Keras and tfscale's core, and
     # defines no absl flag a script could also define.
-    garbage_collection.import_frozen("tfscale.strategy")
+    garbage_collection.import_frozen("tfscale.strategy")  # multiworker.FRESH_WORKER_IMPORTS
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it

@@ -20,6 +20,7 @@ WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs a script in a fresh worker as tfscale-train starts (tests/fresh_worker.py).
 FRESH_WORKER = os.path.join(REPO_ROOT, "tests", "fresh_worker.py")
+FRESH_WORKER_IMPORTS = "tfscale.strategy"  # what fresh_worker.py imports first
 
 
 @dataclasses.dataclass
@@ -73,17 +74,21 @@ def _run_in_pool(target, num_workers, tmp_path, args, timeout, env, results_dir)
 
 
 def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env=None,
-                   launcher_args=()):
-    """Runs tests/workers/`script` as `num_workers` fresh processes through
-    tfscale-launch, for tests that must own their processes; `why` says why
-    in one line (tests/README.md lists them). Each imports TensorFlow as
-    tfscale-train does (tests/fresh_worker.py). `launcher_args`: flags of
-    tfscale-launch itself, e.g. `--grace_seconds=30`."""
+                   launcher_args=(), fresh=False):
+    """Runs tests/workers/`script` as `num_workers` processes of its own
+    through tfscale-launch, for tests that must own their processes; `why`
+    says why in one line (tests/README.md lists them). Each has TensorFlow
+    imported as tfscale-train imports it (tests/fresh_worker.py): forked
+    from a process that imported it (`--preload`, launch/preload.py), or
+    with `fresh`, where what a new interpreter starts with is the point,
+    importing it itself. `launcher_args`: flags of tfscale-launch itself,
+    e.g. `--grace_seconds=30`."""
     assert why, "say why this test needs processes of its own"
     results_dir = _results_dir(tmp_path, script, num_workers)
+    start = [] if fresh else [f"--preload={FRESH_WORKER_IMPORTS}"]
     command = [
         sys.executable, "-m", "tfscale.launch.local",
-        f"--num_workers={num_workers}", f"--timeout={timeout}", *launcher_args, "--",
+        f"--num_workers={num_workers}", f"--timeout={timeout}", *start, *launcher_args, "--",
         sys.executable, FRESH_WORKER, os.path.join(WORKERS_DIR, script), *args,
     ]
     run_env = dict(os.environ, TFSCALE_TEST_RESULTS=str(results_dir),
@@ -191,6 +196,15 @@ def pids_with_env(marker):
         if marker.encode() in environ and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+def pid_alive(pid):
+    """Whether process `pid` runs (a zombie has ended, for our purposes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def worker_pids(marker, slot, restart):

@@ -28,9 +28,14 @@ def _env():
     return env
 
 
-def bench(tmp_path, *args, timeout=240, returncode=0):
+def bench(tmp_path, subcommand, *args, timeout=240, returncode=0):
+    """A tfscale-bench run. A subcommand that starts workers forks them from
+    a process that imported tfscale's core (`--preload`): its measurements
+    begin after their imports either way."""
+    preload = [] if subcommand == "project" else ["--preload=tfscale.strategy"]
     process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", *args], cwd=str(tmp_path), env=_env(),
+        [sys.executable, "-m", "tfscale.launch.bench", subcommand, *args, *preload],
+        cwd=str(tmp_path), env=_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     assert process.returncode == returncode, process.stdout[-6000:]
     return process.stdout

@@ -108,7 +108,7 @@ def test_a_fresh_test_worker_runs_its_script_as_python_would_with_tensorflow_fro
 
     run = multiworker.launch_workers(
         "pool_probe.py", 2, tmp_path, args=["process"],
-        why="what a fresh worker process starts with is the point")
+        why="what a fresh worker process starts with is the point", fresh=True)
     multiworker.assert_succeeded(run)
     for result in run.results:
         assert result["argv0"] == os.path.join(multiworker.WORKERS_DIR, "pool_probe.py")

@@ -13,6 +13,7 @@ import pytest
 
 from multiworker import REPO_ROOT
 from multiworker import netns_not_permitted_reason
+from multiworker import pid_alive
 from multiworker import WORKERS_DIR
 from tfscale.launch import threads
 
@@ -31,19 +32,25 @@ def launch(*args, timeout=120, env=None):
     return process, time.monotonic() - start
 
 
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+# The launcher behaviours parametrized with START hold for fresh workers and
+# for workers forked from a preload process (--preload, launch/preload.py).
+START = [pytest.param((), id="fresh"),
+         pytest.param(("--preload=tfscale.launch.ports",), id="forked")]
 
 
-def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
-    process, _ = launch("--num_workers=3", "--", sys.executable, PROBE, "ok")
+def started_as(start, stdout):
+    """Checks launch_probe's report: forked under --preload, fresh
+    otherwise, and a session leader either way (so killpg reaches what a
+    worker starts)."""
+    reports = re.findall(r"\] preloaded=(\w+) session_leader=(\w+)", stdout)
+    assert reports and set(reports) == {(str(bool(start)), "True")}, reports
+
+
+@pytest.mark.parametrize("start", START)
+def test_each_worker_gets_its_own_tf_config_and_prefixed_output(start):
+    process, _ = launch("--num_workers=3", *start, "--", sys.executable, PROBE, "ok")
     assert process.returncode == 0, process.stderr
+    started_as(start, process.stdout)
     configs = {}
     for line in process.stdout.splitlines():
         match = re.match(r"\[worker (\d)\] pid=\d+ tf_config=(.*)", line)
@@ -74,24 +81,28 @@ def test_each_worker_gets_a_share_of_the_cores_unless_the_user_chose():
     assert "each worker gets" not in process.stdout
 
 
-def test_a_failed_worker_stops_the_others_and_is_named():
+@pytest.mark.parametrize("start", START)
+def test_a_failed_worker_stops_the_others_and_is_named(start):
     process, seconds = launch(
-        "--num_workers=3", "--grace_seconds=2", "--",
+        "--num_workers=3", "--grace_seconds=2", *start, "--",
         sys.executable, PROBE, "fail", "1",
     )
     assert process.returncode == 3
+    started_as(start, process.stdout)
     assert "worker 1 exited with code 3; stopped the other workers." in process.stderr
     assert seconds < 60  # the others sleep for 600 s
     pids = [int(p) for p in re.findall(r"(?:pid|child)=(\d+)", process.stdout)]
     assert pids and not [p for p in pids if pid_alive(p)], "orphans left"
 
 
-def test_timeout_stops_every_worker_and_their_children():
+@pytest.mark.parametrize("start", START)
+def test_timeout_stops_every_worker_and_their_children(start):
     process, seconds = launch(
-        "--num_workers=2", "--timeout=5", "--grace_seconds=2", "--",
+        "--num_workers=2", "--timeout=5", "--grace_seconds=2", *start, "--",
         sys.executable, PROBE, "sleep",
     )
     assert process.returncode == 124
+    started_as(start, process.stdout)
     assert "timed out after 5 s" in process.stderr
     assert seconds < 60
     pids = [int(p) for p in re.findall(r"(?:pid|child)=(\d+)", process.stdout)]
@@ -192,12 +203,14 @@ def no_orphans(stdout):
     return pids and not [p for p in pids if pid_alive(p)]
 
 
-def test_a_failed_worker_makes_the_launcher_restart_all_on_fresh_ports():
+@pytest.mark.parametrize("start", START)
+def test_a_failed_worker_makes_the_launcher_restart_all_on_fresh_ports(start):
     process, seconds = launch(
-        "--num_workers=3", "--max_restarts=3", "--grace_seconds=2", "--",
+        "--num_workers=3", "--max_restarts=3", "--grace_seconds=2", *start, "--",
         sys.executable, PROBE, "flaky", "1", "2",
     )
     assert process.returncode == 0, process.stderr
+    started_as(start, process.stdout)
     assert len(failure_lines(process.stderr)) == 2, process.stderr
     for restart in (1, 2):
         assert ("tfscale-launch: worker 1 exited with code 3; stopped the other "
@@ -215,12 +228,14 @@ def test_a_failed_worker_makes_the_launcher_restart_all_on_fresh_ports():
     assert seconds < 60
 
 
-def test_a_killed_worker_is_named_with_its_signal_in_the_restart_line():
+@pytest.mark.parametrize("start", START)
+def test_a_killed_worker_is_named_with_its_signal_in_the_restart_line(start):
     process, _ = launch(
-        "--num_workers=2", "--max_restarts=1", "--grace_seconds=2", "--",
+        "--num_workers=2", "--max_restarts=1", "--grace_seconds=2", *start, "--",
         sys.executable, PROBE, "flaky", "0", "1", "kill",
     )
     assert process.returncode == 0, process.stderr
+    started_as(start, process.stdout)
     assert ("tfscale-launch: worker 0 was killed by SIGKILL; stopped the other "
             "workers; restart 1 of 1 on fresh ports.") in process.stderr
 
@@ -289,10 +304,11 @@ def test_timeout_bounds_the_whole_run_including_restarts():
     assert no_orphans(process.stdout)
 
 
-def test_sigterm_stops_every_worker_and_restarts_none():
+@pytest.mark.parametrize("start", START)
+def test_sigterm_stops_every_worker_and_restarts_none(start):
     process = subprocess.Popen(
         [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--max_restarts=3",
-         "--grace_seconds=2", "--", sys.executable, PROBE, "sleep"],
+         "--grace_seconds=2", *start, "--", sys.executable, PROBE, "sleep"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     deadline = time.monotonic() + 30
@@ -304,6 +320,7 @@ def test_sigterm_stops_every_worker_and_restarts_none():
     assert "interrupted (SIGTERM); stopped every worker." in err
     assert "restart" not in err
     assert no_orphans("".join(lines) + out)
+    started_as(start, "".join(lines) + out)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from multiworker import REPO_ROOT, WORKERS_DIR, netns_not_permitted_reason
+from multiworker import REPO_ROOT, WORKERS_DIR, netns_not_permitted_reason, pid_alive
 
 LAUNCH_PROBE = os.path.join(WORKERS_DIR, "launch_probe.py")
 NETNS_PROBE = os.path.join(WORKERS_DIR, "netns_probe.py")
@@ -67,14 +67,6 @@ def namespaces_of(pid):
 def root_links():
     listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
     return {line.split(":")[1].strip().split("@")[0] for line in listed.stdout.splitlines()}
-
-
-def pid_alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def assert_nothing_left(pid, stdout, links_before):

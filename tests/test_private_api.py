@@ -35,6 +35,9 @@ REFLECTION = re.compile(r"\b(?:get|set|has)attr\(\s*[^,]+,\s*[\"'](_[a-z]\w*)")
 # Keras's own names inside variable paths (written split, so that this file
 # does not name them itself).
 PATH_CONVENTIONS = ("seed_generator" + "_state",)
+# Public despite the underscore: os._exit, "normally used in the child
+# process after a fork()" (Python's os module documentation).
+DOCUMENTED_PUBLIC = {("os", "_exit")}
 OWN_NAMES = re.compile(
     r"^(_[a-z]\w*)\s*=|^\s*(?:def|class)\s+(_\w+)|\b(?:self|cls)\.(_[a-z]\w*)\s*[:=]",
     re.M)
@@ -74,7 +77,7 @@ def hits_in(relative, source):
                                 tokenize.INDENT, tokenize.DEDENT)]
 
     def allowed(owner, name):
-        if owner in ("self", "cls") or name in own:
+        if owner in ("self", "cls") or name in own or (owner, name) in DOCUMENTED_PUBLIC:
             return True
         return owner == "tfscale" and name in package_private
 

@@ -26,7 +26,8 @@ def test_nine_workers_on_three_nodes_of_three_train_as_one_worker_with_every_alg
     output = tmp_path / "scale.json"
     process = subprocess.run(
         [sys.executable, "-m", "tfscale.launch.bench", "scale", "--worker_counts=9",
-         "--num_workers=9", "--emulate_nodes=3", "--timeout=900", f"--output={output}"],
+         "--num_workers=9", "--emulate_nodes=3", "--timeout=900", f"--output={output}",
+         "--preload=tfscale.strategy"],
         cwd=tmp_path, env=multiworker.worker_env(tmp_path), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=1200)
     assert process.returncode == 0, process.stdout[-6000:]

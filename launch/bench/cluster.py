@@ -121,8 +121,9 @@ def context():
 def _worker_env():
     """Workers import `launch`, `tfscale` and `models` from this checkout."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:  # once: later launches see the environment unchanged
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, *paths) if p)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -169,7 +170,9 @@ def launch_workers(spec, work_dir, name, num_workers=None, emulate=True,
     print(f"tfscale-bench: launching {num_workers} worker(s): {name}", flush=True)
     code = local.launch(command, num_workers, timeout=FLAGS.timeout,
                         grace_seconds=FLAGS.grace_seconds, isolate=FLAGS.isolate,
-                        gpus_per_node=gpus_per_node, **emulation)
+                        gpus_per_node=gpus_per_node, **emulation,
+                        # Keras on JAX must not find Keras imported on TensorFlow.
+                        preload_modules=() if spec.get("kind") == "jax" else FLAGS.preload)
     if code != 0:
         raise RuntimeError(
             f"The {name} workers failed (exit code {code}); their output is above.")

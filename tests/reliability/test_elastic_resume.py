@@ -65,7 +65,8 @@ def test_a_slot_that_keeps_failing_is_dropped_and_training_finishes_on_2_workers
              "--export_dir="]
     done = subprocess.run(
         [sys.executable, "-m", "tfscale.launch.local", "--num_workers=3", "--timeout=400",
-         "--grace_seconds=2", "--max_restarts=3", "--min_workers=2", "--",
+         "--grace_seconds=2", "--max_restarts=3", "--min_workers=2",
+         "--preload=tfscale.strategy", "--",  # one import for all three launches
          sys.executable, os.path.join(WORKERS_DIR, "flaky_slot_train.py"),
          "2", str(model_dir), "4", "--", *train],
         cwd=tmp_path, env=worker_env(tmp_path), timeout=460,

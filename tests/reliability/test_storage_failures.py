@@ -24,7 +24,8 @@ TRAIN = ["tfscale-train", "--fc_units=16", "--global_batch_size=32",
 
 def launch_command(model_dir, extra=()):
     return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
-            "--timeout=400", "--", *TRAIN, f"--model_dir={model_dir}", *extra]
+            "--timeout=400", "--preload=tfscale.strategy", "--", *TRAIN,
+            f"--model_dir={model_dir}", *extra]
 
 
 def launch(tmp_path, model_dir):

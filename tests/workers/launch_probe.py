@@ -1,5 +1,7 @@
 """A worker for the launcher tests: prints its TF_CONFIG, slot, restart count,
-CUDA_VISIBLE_DEVICES and TF_NUM_INTRAOP_THREADS, then obeys argv.
+CUDA_VISIBLE_DEVICES and TF_NUM_INTRAOP_THREADS, whether it was forked from
+a process that preloaded tfscale.launch.ports and whether it leads its own
+session, then obeys argv.
 
     launch_probe.py ok            exit 0
     launch_probe.py fail INDEX    worker INDEX exits 3 at once, the others sleep
@@ -34,6 +36,9 @@ print(f"slot={slot} restart={restart}", flush=True)
 print(f"cuda_visible_devices={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
       flush=True)
 print(f"intra_op_threads={os.environ.get('TF_NUM_INTRAOP_THREADS', '(unset)')}", flush=True)
+# Imported before this script ran: forked from `--preload=tfscale.launch.ports`.
+print(f"preloaded={'tfscale.launch.ports' in sys.modules} "
+      f"session_leader={os.getsid(0) == os.getpid()}", flush=True)
 mode = sys.argv[1]
 if mode == "ok":
     sys.exit(0)

@@ -1,0 +1,271 @@
+"""Workers forked from a process that imported TensorFlow once:
+`tfscale-launch --preload=MODULES`.
+
+A fresh worker imports TensorFlow, Keras and the user's libraries anew:
+seconds of CPU per worker, paid again at every restart. With `--preload`
+the launcher starts one preload process, which imports MODULES (for a
+TensorFlow worker: `--preload=tensorflow,keras`, or `tfscale.strategy` for
+tfscale's core too) and then forks one worker per request, as gunicorn's
+`--preload` does for web workers and Python's multiprocessing forkserver
+(`set_forkserver_preload`) for its processes. Importing does not start
+TensorFlow's runtime (no device, thread pool or gRPC server exists before
+a worker makes one), so each worker starts its own after the fork, with
+its own TF_CONFIG, thread share and CUDA_VISIBLE_DEVICES.
+
+What stays as for a fresh worker:
+- the launcher is each worker's parent: the preload process forks a
+  child that forks the worker and exits, and the launcher, a child
+  subreaper (PR_SET_CHILD_SUBREAPER, Linux 3.4), adopts the worker; it
+  waits for it and reads its exit status (-N when killed by signal N) as
+  for a process it started itself;
+- each worker leads a session of its own (`killpg` stops what it started)
+  and is SIGKILLed when the launcher dies (PR_SET_PDEATHSIG, set once the
+  launcher has adopted it);
+- its environment, working directory, argv, sys.path[0] and output pipe are
+  the ones a fresh `python SCRIPT` or `python -m MODULE` would get; it enters
+  its network namespace (isolation, emulated nodes) with setns(2).
+What differs: /proc/PID/environ and /proc/PID/cmdline (what `ps` shows)
+are the preload process's; the worker's own environment is `os.environ`.
+
+The preload process is started with the workers' environment less the
+variables set per worker (PER_WORKER): the others, read at import, are
+the workers' own. Linux only (setns, subreapers).
+"""
+
+import ctypes
+import json
+import os
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tfscale.launch import garbage_collection
+
+# Set by the launcher for each worker (launch/local.py); TensorFlow reads
+# them when a worker builds its runtime, after the fork, not at import.
+PER_WORKER = ("TF_CONFIG", "TFSCALE_SLOT", "TFSCALE_RESTART_COUNT",
+              "CUDA_VISIBLE_DEVICES", "TF_NUM_INTRAOP_THREADS",
+              "TF_NUM_INTEROP_THREADS")
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWNET = 0x40000000
+_NETNS_DIR = "/run/netns"  # where `ip netns add` mounts a namespace
+_MAX_REQUEST = 1 << 20  # bytes; a request is mostly the worker's environment
+
+
+class PreloadError(RuntimeError):
+    """The preload process could not start a worker."""
+
+
+def python_target(command):
+    """What `command` runs in this interpreter: ("module", NAME, ARGS) for
+    `python -m NAME ARGS`, ("script", PATH, ARGS) for `python PATH ARGS` or
+    a script whose #! line names this interpreter (a console script such as
+    tfscale-train); None for anything else, which `--preload` cannot fork."""
+    this_python = os.path.realpath(sys.executable)
+    # A console script of this Python sits beside it, where a version
+    # manager's shim on PATH (pyenv) would lead too.
+    beside = os.path.join(os.path.dirname(sys.executable), command[0])
+    executable = (beside if os.sep not in command[0] and os.path.isfile(beside)
+                  else shutil.which(command[0]))
+    if executable is None:
+        return None
+    if os.path.realpath(executable) == this_python:
+        if len(command) >= 3 and command[1] == "-m":
+            return ("module", command[2], list(command[3:]))
+        if len(command) >= 2 and not command[1].startswith("-"):
+            return ("script", os.path.abspath(command[1]), list(command[2:]))
+        return None
+    try:
+        with open(executable, "rb") as f:
+            first_line = f.readline(4096)
+    except OSError:
+        return None
+    interpreter = first_line[2:].strip().split(b" ")[0].decode(errors="replace")
+    if first_line.startswith(b"#!") and os.path.realpath(interpreter) == this_python:
+        return ("script", executable, list(command[1:]))
+    return None
+
+
+class PreloadProcess:
+    """The launcher's end: starts the preload process, then one worker per
+    `start` call, each the launcher's own child."""
+
+    def __init__(self, modules, env):
+        self.modules = tuple(modules)
+        self.env = {k: v for k, v in env.items() if k not in PER_WORKER}
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        # One request or reply per packet (SOCK_SEQPACKET keeps their bounds).
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tfscale.launch.preload", str(theirs.fileno()),
+             ",".join(self.modules)],
+            env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()],
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        theirs.close()
+        # What importing prints (TensorFlow's start-up lines, an ImportError),
+        # prefixed as the workers' lines are.
+        self._printer = threading.Thread(target=_print_prefixed,
+                                         args=(self._process.stdout,), daemon=True)
+        self._printer.start()
+
+    def serves(self, modules, env):
+        """Whether workers of `modules` with environment `env` can be forked
+        from this process (same modules, same environment at import)."""
+        return (self._process.poll() is None and tuple(modules) == self.modules
+                and {k: v for k, v in env.items() if k not in PER_WORKER} == self.env)
+
+    def start(self, target, env, netns=None):
+        """Forks a worker running `target` (see `python_target`) with
+        environment `env`, in network namespace `netns` (a name from `ip
+        netns`) if given; returns it as a `ForkedWorker`."""
+        read, write = os.pipe()
+        request = {"target": target, "env": env, "cwd": os.getcwd(),
+                   "netns": netns, "parent": os.getpid()}
+        try:
+            socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
+            reply = self._socket.recv(4096)
+        except OSError:
+            reply = b""
+        finally:
+            os.close(write)
+        if not reply:
+            os.close(read)
+            code = self._process.wait()
+            self._printer.join(timeout=10)
+            raise PreloadError(
+                f"the preload process (--preload={','.join(self.modules)}) exited "
+                f"with code {code} before starting a worker; its output is above, "
+                "prefixed [preload]")
+        return ForkedWorker(json.loads(reply)["pid"], os.fdopen(read, "rb"))
+
+    def close(self):
+        self._socket.close()  # the preload process exits at end of input
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+class ForkedWorker:
+    """A worker forked by the preload process and adopted by the launcher:
+    `pid`, `stdout` and `poll()` as a `subprocess.Popen` has them."""
+
+    def __init__(self, pid, stdout):
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _print_prefixed(stream):
+    for line in iter(stream.readline, b""):
+        sys.stdout.buffer.write(b"[preload] " + line)
+        sys.stdout.buffer.flush()
+
+
+def _die_with_parent():
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _serve(channel, pid_pipe):
+    """Forks a worker per request until the launcher closes `channel`;
+    returns the request in each worker (and only there)."""
+    while True:
+        message, fds, _, _ = socket.recv_fds(channel, _MAX_REQUEST, 1)
+        if not message:
+            return None
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        middle = os.fork()
+        if middle == 0:
+            request["middle"] = os.getpid()
+            worker = os.fork()
+            if worker == 0:
+                os.close(pid_pipe[0])
+                os.close(pid_pipe[1])
+                channel.close()
+                request["stdout"] = fds[0]
+                return request
+            os.write(pid_pipe[1], f"{worker}\n".encode())
+            os._exit(0)  # the worker is orphaned to the launcher, its subreaper
+        os.close(fds[0])
+        os.waitpid(middle, 0)
+        worker = int(os.read(pid_pipe[0], 64))
+        channel.send(json.dumps({"pid": worker}).encode())
+
+
+def _become_worker(request):
+    """Turns this forked process into the worker `request` describes, as far
+    as a fresh process would see it; returns its target."""
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    while os.getppid() == request["middle"]:  # adopted once it has exited
+        time.sleep(0.001)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != request["parent"]:
+        os._exit(1)  # it died before we asked to follow it
+    if request["netns"]:
+        with open(os.path.join(_NETNS_DIR, request["netns"])) as namespace:
+            if libc.setns(namespace.fileno(), _CLONE_NEWNET) != 0:
+                error = ctypes.get_errno()
+                os.write(request["stdout"], f"cannot enter network namespace "
+                         f"{request['netns']}: {os.strerror(error)}\n".encode())
+                os._exit(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(request["stdout"], 1)
+    os.dup2(request["stdout"], 2)
+    os.close(devnull)
+    os.close(request["stdout"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    return request["target"]
+
+
+def _run(target):
+    """Runs `target` as `python -m NAME` or `python PATH` would."""
+    kind, name, args = target
+    if kind == "module":
+        sys.argv = [name, *args]  # argv[0] becomes the module's file
+        sys.path[0] = os.getcwd()
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [name, *args]
+        sys.path[0] = os.path.dirname(os.path.realpath(name))
+        runpy.run_path(name, run_name="__main__")
+
+
+def main():
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    modules = [m for m in sys.argv[2].split(",") if m]
+    # Imported as a tfscale-train worker imports: collector paused, then
+    # the heap frozen (launch/garbage_collection.py).
+    if modules:
+        garbage_collection.import_frozen(*modules)
+    sys.argv = sys.argv[:1]
+    request = _serve(channel, os.pipe())
+    if request is None:
+        return
+    _run(_become_worker(request))
+
+
+if __name__ == "__main__":
+    main()
