@@ -87,8 +87,11 @@ def python_target(command):
             first_line = f.readline(4096)
     except OSError:
         return None
-    interpreter = first_line[2:].strip().split(b" ")[0].decode(errors="replace")
-    if first_line.startswith(b"#!") and os.path.realpath(interpreter) == this_python:
+    words = first_line[2:].decode(errors="replace").split()
+    if words[:1] and os.path.basename(words[0]) == "env":  # #!/usr/bin/env python
+        words = [shutil.which(words[1]) or ""] if len(words) > 1 else []
+    if (first_line.startswith(b"#!") and words
+            and os.path.realpath(words[0]) == this_python):
         return ("script", executable, list(command[1:]))
     return None
 
@@ -253,7 +256,43 @@ def _run(target):
         runpy.run_path(name, run_name="__main__")
 
 
+# `python -m tfscale.launch.preload measure [ROUNDS]`: one launch of
+# tfscale-train (two steps, no export) on 2 workers, fresh and with
+# --preload=tfscale.strategy in turn, ROUNDS times (default 3).
+_MEASURED_TRAIN = ["tfscale-train", "--epochs=1", "--steps_per_epoch=2", "--export_dir="]
+
+
+def measure(rounds):
+    """Prints the CPU-seconds (user + system, of every process of the
+    launch) and wall seconds of each way, their medians, and the ratio."""
+    import resource
+    import statistics
+
+    seen = {"fresh": [], "preload": []}
+    for round_ in range(1, rounds + 1):
+        for way, flag in (("fresh", []), ("preload", ["--preload=tfscale.strategy"])):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
+                 *flag, "--", *_MEASURED_TRAIN],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            wall = time.perf_counter() - start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if done.returncode != 0:
+                sys.exit(f"the {way} launch failed:\n{done.stderr[-3000:]}")
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            seen[way].append((cpu, wall))
+            print(f"round {round_} {way:8s} {cpu:6.1f} CPU-s {wall:6.1f} s", flush=True)
+    fresh, preloaded = (statistics.median(c for c, _ in seen[w]) for w in seen)
+    print(f"median CPU-s: fresh {fresh:.1f}, preload {preloaded:.1f}; "
+          f"preload/fresh {preloaded / fresh:.2f}")
+
+
 def main():
+    if sys.argv[1:2] == ["measure"]:
+        measure(int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+        return
     channel = socket.socket(fileno=int(sys.argv[1]))
     modules = [m for m in sys.argv[2].split(",") if m]
     # Imported as a tfscale-train worker imports: collector paused, then
