@@ -78,7 +78,6 @@ workers (see launch/preload.py).
 """
 
 import atexit
-import ctypes
 import functools
 import json
 import os
@@ -270,14 +269,6 @@ def tf_configs(addresses):
     ]
 
 
-def _die_with_launcher():
-    """Runs in each worker before exec: SIGKILL it if the launcher dies, so
-    even a launcher killed with SIGKILL leaves no orphaned workers (Linux)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 class Workers:
     """A group of worker processes, each in its own session (process group),
     so stopping a worker also stops whatever it started."""
@@ -293,10 +284,11 @@ class Workers:
         self.flight_positions = {}  # index: its flight recorder's last report
         self.processes = []
         self._printers = []
+        target = preload.python_target(command) if preloaded is not None else None
         for index, env in enumerate(envs):
             if preloaded is not None:
                 try:
-                    process = preloaded.start(preload.python_target(command), env,
+                    process = preloaded.start(target, env,
                                               namespaces[index] if namespaces else None)
                 except preload.PreloadError:
                     self.stop(grace_seconds=0)
@@ -310,7 +302,8 @@ class Workers:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_die_with_launcher,
+                    # Even a launcher killed with SIGKILL leaves no orphans.
+                    preexec_fn=preload.die_with_parent,
                 )
             self.processes.append(process)
             printer = threading.Thread(

@@ -111,7 +111,7 @@ class PreloadProcess:
              ",".join(self.modules)],
             env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, pass_fds=[theirs.fileno()],
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         theirs.close()
         # What importing prints (TensorFlow's start-up lines, an ImportError),
@@ -182,8 +182,10 @@ def _print_prefixed(stream):
         sys.stdout.buffer.flush()
 
 
-def _die_with_parent():
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent():
+    """SIGKILLs this process when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _serve(channel, pid_pipe):
@@ -221,7 +223,7 @@ def _become_worker(request):
     libc = ctypes.CDLL(None, use_errno=True)
     while os.getppid() == request["middle"]:  # adopted once it has exited
         time.sleep(0.001)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     if os.getppid() != request["parent"]:
         os._exit(1)  # it died before we asked to follow it
     if request["netns"]:
