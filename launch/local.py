@@ -4,7 +4,12 @@ r"""tfscale-launch: runs N workers of a command on this machine.
 
 Each worker is one process with its own TF_CONFIG naming a free 127.0.0.1
 port for every worker, as Kubernetes or SLURM would give one per machine. Each
-output line is prefixed with the worker's index. When a worker fails, the
+output line is prefixed with the worker's index. Once the workers of a launch
+are started, one line names each one's slot, pid and address:
+
+    tfscale-launch: launch 0 started worker 0 (slot 0) pid 4211 at 127.0.0.1:20480, ...
+
+When a worker fails, the
 others are stopped and the launcher exits non-zero naming the failed worker;
 `--timeout` bounds the whole run. The ports are picked below the kernel's
 ephemeral range, where nothing takes them by chance before the workers bind
@@ -661,6 +666,18 @@ def _launch_port(index, restart, num_workers):
     return netns.BASE_PORT + offset % _NAMESPACE_PORT_SPAN
 
 
+def started_line(restart, slots, workers, addresses):
+    """The line naming each worker's slot, pid and address once launch
+    `restart` has started them: for `kill`, `py-spy dump --pid` or a debugger,
+    and the only way to find a worker forked from a preload process, whose
+    /proc/PID/environ is that process's."""
+    started = ", ".join(
+        f"worker {index} (slot {slot}) pid {process.pid} at {address}"
+        for index, (slot, process, address) in enumerate(
+            zip(slots, workers.processes, addresses, strict=True)))
+    return f"launch {restart} started {started}."
+
+
 def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
                  start=None, retry=False, slots=None, restart=0, gpu_of_slot=None,
                  namespaces=None, preload_modules=()):
@@ -692,6 +709,8 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
     except preload.PreloadError as error:
         print(f"tfscale-launch: {error}.", file=sys.stderr, flush=True)
         return 2
+    print(f"tfscale-launch: {started_line(restart, slots, workers, addresses)}",
+          file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     launched = time.monotonic()

@@ -9,6 +9,7 @@ what the test checks as JSON with `report(...)` (tests/workers/report.py).
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,12 +208,17 @@ def pid_alive(pid):
         return False
 
 
-def worker_pids(marker, slot, restart):
-    """Pids of the worker of `slot` in launch `restart` of a tfscale-launch
-    run whose environment holds TFSCALE_RUN=`marker`."""
-    return sorted(set(pids_with_env(f"TFSCALE_RUN={marker}"))
-                  & set(pids_with_env(f"TFSCALE_SLOT={slot}\0"))
-                  & set(pids_with_env(f"TFSCALE_RESTART_COUNT={restart}\0")))
+def started_pid(launcher_output, slot, restart=0):
+    """The pid of the worker of `slot` in launch `restart`, as tfscale-launch
+    named it in `launcher_output` ("launch R started worker I (slot S) pid P
+    ..."; the last such line, after a relaunch on fresh ports), or None. Fresh
+    or forked from --preload alike."""
+    started = re.findall(rf"tfscale-launch: launch {restart} started (.*)\.$",
+                         launcher_output, re.MULTILINE)
+    if not started:
+        return None
+    pid = re.search(rf"\(slot {slot}\) pid (\d+) ", started[-1])
+    return int(pid.group(1)) if pid else None
 
 
 def saved_step(directory):

@@ -8,13 +8,12 @@ import re
 import signal
 import subprocess
 import time
-import uuid
 
 import numpy as np
 import pytest
 
 from tfscale.launch.studies import imagenet_archives
-from multiworker import pids_with_env
+from multiworker import started_pid
 from multiworker import saved_step
 from multiworker import worker_env
 
@@ -26,8 +25,8 @@ pytestmark = pytest.mark.multiworker
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("imagenet")
     imagenet_archives.write(str(tmp / "manual"), num_validation=12, train_per_synset=6)
-    marker = uuid.uuid4().hex
     command = [
+        # Fresh workers; the launcher's line names their pids.
         "tfscale-launch", "--num_workers=3", "--timeout=500", "--max_restarts=1",
         # The survivors wait in a collective with the killed worker: 2 s, not 10.
         "--grace_seconds=2",
@@ -39,16 +38,13 @@ def run(tmp_path_factory):
     log = tmp / "launch.log"
     with open(log, "w") as out:
         launcher = subprocess.Popen(command, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
-                                    env=worker_env(tmp, {"TFSCALE_RUN": marker}))
+                                    env=worker_env(tmp))
         deadline = time.monotonic() + 400
         while saved_step(tmp / "model") < 2 and time.monotonic() < deadline:
             assert launcher.poll() is None, log.read_text()[-6000:]
             time.sleep(0.2)
         killed_at = saved_step(tmp / "model")
-        victims = set(pids_with_env(f"TFSCALE_RUN={marker}")) & set(
-            pids_with_env("TFSCALE_SLOT=2\0"))
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
+        os.kill(started_pid(log.read_text(), slot=2), signal.SIGKILL)
         launcher.wait(timeout=500)
     output = log.read_text()
     assert launcher.returncode == 0, output[-6000:]

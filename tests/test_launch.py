@@ -15,6 +15,7 @@ from multiworker import REPO_ROOT
 from multiworker import netns_not_permitted_reason
 from multiworker import pid_alive
 from multiworker import WORKERS_DIR
+from multiworker import started_pid
 from tfscale.launch import threads
 
 pytestmark = pytest.mark.multiworker
@@ -47,15 +48,17 @@ def started_as(start, stdout):
 
 
 @pytest.mark.parametrize("start", START)
-def test_each_worker_gets_its_own_tf_config_and_prefixed_output(start):
+def test_each_worker_gets_its_own_tf_config_and_prefixed_output_and_is_named_with_its_pid(
+        start):
     process, _ = launch("--num_workers=3", *start, "--", sys.executable, PROBE, "ok")
     assert process.returncode == 0, process.stderr
     started_as(start, process.stdout)
-    configs = {}
+    configs, pids = {}, {}
     for line in process.stdout.splitlines():
-        match = re.match(r"\[worker (\d)\] pid=\d+ tf_config=(.*)", line)
+        match = re.match(r"\[worker (\d)\] pid=(\d+) tf_config=(.*)", line)
         if match:
-            configs[int(match.group(1))] = json.loads(match.group(2))
+            pids[int(match.group(1))] = int(match.group(2))
+            configs[int(match.group(1))] = json.loads(match.group(3))
     assert sorted(configs) == [0, 1, 2]
     addresses = configs[0]["cluster"]["worker"]
     assert len(set(addresses)) == 3
@@ -63,6 +66,12 @@ def test_each_worker_gets_its_own_tf_config_and_prefixed_output(start):
     for index, config in configs.items():
         assert config["cluster"]["worker"] == addresses
         assert config["task"] == {"type": "worker", "index": index}
+    # The launcher names each worker's own pid (os.getpid() in the worker).
+    assert ("tfscale-launch: launch 0 started " + ", ".join(
+        f"worker {i} (slot {i}) pid {pids[i]} at {addresses[i]}" for i in range(3))
+        + ".") in process.stderr.splitlines()
+    assert [started_pid(process.stderr, slot) for slot in range(3)] == [
+        pids[0], pids[1], pids[2]]
 
 
 def test_each_worker_gets_a_share_of_the_cores_unless_the_user_chose():
@@ -279,6 +288,10 @@ def test_a_slot_failing_again_soon_after_a_restart_is_dropped_down_to_min_worker
     for index, (_, config) in last.items():
         assert len(config["cluster"]["worker"]) == 2
         assert config["task"]["index"] == index
+    # The launcher's line names the slot beside the index.
+    assert re.search(r"^tfscale-launch: launch 2 started worker 0 \(slot 0\) pid \d+ at "
+                     r"\S+, worker 1 \(slot 2\) pid \d+ at \S+\.$", process.stderr,
+                     re.MULTILINE), process.stderr
 
 
 def test_a_slot_failing_again_after_the_restart_window_is_kept():

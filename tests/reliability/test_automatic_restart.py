@@ -11,14 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 
 from multiworker import checkpoint_variables
 from multiworker import run_train
 from multiworker import saved_step
-from multiworker import worker_pids
+from multiworker import started_pid
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -41,8 +40,9 @@ def train_args(model_dir):
 
 
 def command(model_dir, *launcher_flags):
+    # Forked from one import (--preload): the launcher's line names the pids.
     return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=400",
-            "--grace_seconds=2", *launcher_flags, "--",
+            "--grace_seconds=2", "--preload=tfscale.launch.train", *launcher_flags, "--",
             sys.executable, "-m", "tfscale.launch.train", *train_args(model_dir)]
 
 
@@ -59,11 +59,10 @@ def test_a_run_with_3_workers_killed_at_random_restarts_and_matches_an_uninterru
     rng = random.Random(seed)
     chaos = tmp_path / "chaos"
     log_path = tmp_path / "chaos.log"
-    marker = uuid.uuid4().hex
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(
             command(chaos, "--max_restarts=3"), cwd=tmp_path,
-            env=dict(env, TFSCALE_RUN=marker), stdout=log, stderr=subprocess.STDOUT)
+            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         kills = []  # (slot killed, checkpoint step seen just before)
         deadline = time.monotonic() + 400
@@ -82,11 +81,10 @@ def test_a_run_with_3_workers_killed_at_random_restarts_and_matches_an_uninterru
                 time.sleep(0.05)
             time.sleep(rng.uniform(0, 1.0))  # up to ~2 steps: between checkpoints
             slot = rng.randrange(2)
-            pids = worker_pids(marker, slot, restart)
-            assert pids, f"no worker of slot {slot} in launch {restart}"
+            pid = started_pid(log_path.read_text(), slot, restart)
+            assert pid, f"no worker of slot {slot} in launch {restart}"
             seen = saved_step(chaos)
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             kills.append((slot, seen))
         launcher.wait(timeout=max(1, deadline - time.monotonic()))
     finally:

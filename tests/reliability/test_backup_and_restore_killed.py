@@ -3,20 +3,18 @@ fit, a worker SIGKILLed mid-epoch and the fit relaunched, resumes at the
 saved step and ends bitwise equal to a fit never interrupted."""
 
 import pytest
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 
 from multiworker import WORKERS_DIR
 from multiworker import assert_succeeded
-from multiworker import pids_with_env
 from multiworker import saved_step
+from multiworker import started_pid
 from multiworker import run_workers
 from multiworker import worker_env
 
@@ -27,17 +25,6 @@ SCRIPT = "tutorial_callbacks.py"
 STEPS = 16  # 2 epochs of 8 (tests/workers/tutorial_callbacks.py)
 
 
-def worker_pid(marker, index):
-    for pid in pids_with_env(marker):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
-        for entry in environ:
-            if entry.startswith(b"TF_CONFIG=") and json.loads(
-                    entry[len(b"TF_CONFIG="):])["task"]["index"] == index:
-                return pid
-    return None
-
-
 def test_a_worker_killed_mid_epoch_resumes_at_the_saved_step(tmp_path):
     straight = run_workers(SCRIPT, 2, tmp_path / "straight",
                            args=[str(tmp_path / "straight-backup"), "tfscale_backup"])
@@ -45,27 +32,31 @@ def test_a_worker_killed_mid_epoch_resumes_at_the_saved_step(tmp_path):
     assert not (tmp_path / "straight-backup").exists()  # delete_checkpoint=True
 
     backup = tmp_path / "backup"
-    marker = uuid.uuid4().hex
     results = tmp_path / "killed-results"
     results.mkdir()
-    env = worker_env(results, {"TFSCALE_RUN": marker, "TFSCALE_STEP_SECONDS": "0.4"})
-    first = subprocess.Popen(
-        # Worker 0 waits for its killed peer where SIGTERM cannot reach it:
-        # a short grace before SIGKILL.
-        [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=300",
-         "--grace_seconds=2", "--",
-         sys.executable, os.path.join(WORKERS_DIR, SCRIPT), str(backup), "tfscale_backup"],
-        cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = worker_env(results, {"TFSCALE_STEP_SECONDS": "0.4"})
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
+        first = subprocess.Popen(
+            # Worker 0 waits for its killed peer where SIGTERM cannot reach
+            # it: a short grace before SIGKILL. Fresh workers, as TensorFlow's
+            # tutorial starts them; the launcher's line names their pids.
+            [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
+             "--timeout=300", "--grace_seconds=2", "--",
+             sys.executable, os.path.join(WORKERS_DIR, SCRIPT), str(backup),
+             "tfscale_backup"],
+            cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     # Step 9 is saved in the second epoch (8 steps each), where the input's
     # iterator has gone on from the first.
     while saved_step(backup) < 9 and time.monotonic() < deadline:
-        assert first.poll() is None, first.stdout.read()[-4000:]
+        assert first.poll() is None, log_path.read_text()[-4000:]
         time.sleep(0.05)
-    pid = worker_pid(f"TFSCALE_RUN={marker}", 1)
+    pid = started_pid(log_path.read_text(), slot=1)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    output = first.communicate(timeout=120)[0]
+    first.wait(timeout=120)
+    output = log_path.read_text()
     assert first.returncode != 0, output[-4000:]
     assert "SIGKILL" in output, output[-4000:]
     killed_at = saved_step(backup)

@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
 
 from multiworker import checkpoint_variables
 from multiworker import run_train
-from multiworker import worker_pids
+from multiworker import started_pid
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -36,8 +35,10 @@ def train_args(model_dir):
 
 
 def command(model_dir, *launcher_flags):
+    # Forked from one import (--preload): the launcher's line names the pids.
     return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
-            "--timeout=400", "--grace_seconds=5", *launcher_flags, "--",
+            "--timeout=400", "--grace_seconds=5", "--preload=tfscale.launch.train",
+            *launcher_flags, "--",
             sys.executable, "-m", "tfscale.launch.train", *train_args(model_dir)]
 
 
@@ -58,18 +59,18 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tm
 
     preempted = tmp_path / "preempted"
     log_path = tmp_path / "preempted.log"
-    marker = uuid.uuid4().hex
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(
             command(preempted, "--max_restarts=1"), cwd=tmp_path,
-            env=dict(env, TFSCALE_RUN=marker), stdout=log, stderr=subprocess.STDOUT)
+            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         # Mid-epoch 2: the chief announces the epoch when it starts.
         wait_for(lambda: "Epoch 2/3" in log_path.read_text(), "epoch 2 never started",
                  launcher, log_path)
         time.sleep(0.3)
-        pids = worker_pids(marker, slot=1, restart=0)
-        assert pids, "no worker 1"
+        pid = started_pid(log_path.read_text(), slot=1)
+        assert pid, "no worker 1"
+        pids = [pid]
         signalled = time.monotonic()
         for pid in pids:
             os.kill(pid, signal.SIGTERM)

@@ -10,6 +10,7 @@ import pytest
 
 from multiworker import pids_with_env
 from multiworker import start_cluster
+from multiworker import started_pid
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -38,25 +39,20 @@ def training_started(log_path):
     return lambda: log_path.exists() and "Epoch 1/" in log_path.read_text()
 
 
-def worker_pid(marker, index):
-    for pid in pids_with_env(marker):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            if f'"index": {index}}}'.encode() in f.read():
-                return pid
-    return None
-
-
 def test_launcher_names_the_killed_worker_and_leaves_no_orphans(tmp_path):
     marker = f"TFSCALE_RUN={uuid.uuid4().hex}"
     log = tmp_path / "launch.log"
     with open(log, "w") as out:
         launcher = subprocess.Popen(
-            ["tfscale-launch", "--num_workers=2", "--timeout=300", "--", *TRAIN],
+            # Forked from one import: the preload process, holding the
+            # marker too, must be gone with the rest.
+            ["tfscale-launch", "--num_workers=2", "--timeout=300",
+             "--preload=tfscale.launch.train", "--", *TRAIN],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
             env=worker_env(tmp_path, dict([marker.split("=")])),
         )
         wait_for(training_started(log), 240, "training to start")
-        os.kill(worker_pid(marker, 1), signal.SIGKILL)
+        os.kill(started_pid(log.read_text(), slot=1), signal.SIGKILL)
         killed_at = time.monotonic()
         launcher.wait(timeout=120)
     assert launcher.returncode != 0
