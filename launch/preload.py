@@ -258,13 +258,13 @@ def _run(target):
         runpy.run_path(name, run_name="__main__")
 
 
-# `python -m tfscale.launch.preload measure [ROUNDS]`: one launch of
-# tfscale-train (two steps, no export) on 2 workers, fresh and with
-# --preload=tfscale.strategy in turn, ROUNDS times (default 3).
+# `python -m tfscale.launch.preload measure [ROUNDS [WORKERS]]`: one launch
+# of tfscale-train (two steps, no export) on WORKERS workers (default 2),
+# fresh and with --preload=tfscale.strategy in turn, ROUNDS times (default 3).
 _MEASURED_TRAIN = ["tfscale-train", "--epochs=1", "--steps_per_epoch=2", "--export_dir="]
 
 
-def measure(rounds):
+def measure(rounds=3, num_workers=2):
     """Prints the CPU-seconds (user + system, of every process of the
     launch) and wall seconds of each way, their medians, and the ratio."""
     import resource
@@ -276,8 +276,8 @@ def measure(rounds):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             start = time.perf_counter()
             done = subprocess.run(
-                [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2",
-                 *flag, "--", *_MEASURED_TRAIN],
+                [sys.executable, "-m", "tfscale.launch.local",
+                 f"--num_workers={num_workers}", *flag, "--", *_MEASURED_TRAIN],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             wall = time.perf_counter() - start
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -287,13 +287,14 @@ def measure(rounds):
             seen[way].append((cpu, wall))
             print(f"round {round_} {way:8s} {cpu:6.1f} CPU-s {wall:6.1f} s", flush=True)
     fresh, preloaded = (statistics.median(c for c, _ in seen[w]) for w in seen)
-    print(f"median CPU-s: fresh {fresh:.1f}, preload {preloaded:.1f}; "
+    print(f"median CPU-s of a {num_workers}-worker launch: fresh {fresh:.1f}, "
+          f"preload {preloaded:.1f}; "
           f"preload/fresh {preloaded / fresh:.2f}")
 
 
 def main():
     if sys.argv[1:2] == ["measure"]:
-        measure(int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+        measure(*(int(arg) for arg in sys.argv[2:4]))
         return
     channel = socket.socket(fileno=int(sys.argv[1]))
     modules = [m for m in sys.argv[2].split(",") if m]
