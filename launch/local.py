@@ -9,9 +9,8 @@ are started, one line names each one's slot, pid and address:
 
     tfscale-launch: launch 0 started worker 0 (slot 0) pid 4211 at 127.0.0.1:20480, ...
 
-When a worker fails, the
-others are stopped and the launcher exits non-zero naming the failed worker;
-`--timeout` bounds the whole run. The ports are picked below the kernel's
+When a worker fails, the others are stopped and the launcher exits non-zero
+naming the failed worker; `--timeout` bounds the whole run. The ports are picked below the kernel's
 ephemeral range, where nothing takes them by chance before the workers bind
 them (ports.py); should a worker still fail to bind its port, every worker is
 stopped and all are relaunched on fresh ports.
@@ -666,15 +665,15 @@ def _launch_port(index, restart, num_workers):
     return netns.BASE_PORT + offset % _NAMESPACE_PORT_SPAN
 
 
-def started_line(restart, slots, workers, addresses):
+def started_line(restart, slots, pids, addresses):
     """The line naming each worker's slot, pid and address once launch
-    `restart` has started them: for `kill`, `py-spy dump --pid` or a debugger,
-    and the only way to find a worker forked from a preload process, whose
-    /proc/PID/environ is that process's."""
+    `restart` has started them: for `kill`, `py-spy dump --pid` or a
+    debugger, and to tell a forked worker's slot, which its /proc/PID/environ
+    (its preload process's) cannot."""
     started = ", ".join(
-        f"worker {index} (slot {slot}) pid {process.pid} at {address}"
-        for index, (slot, process, address) in enumerate(
-            zip(slots, workers.processes, addresses, strict=True)))
+        f"worker {index} (slot {slot}) pid {pid} at {address}"
+        for index, (slot, pid, address) in enumerate(
+            zip(slots, pids, addresses, strict=True)))
     return f"launch {restart} started {started}."
 
 
@@ -709,7 +708,8 @@ def _run_workers(command, addresses, timeout, grace_seconds, prefixes=None,
     except preload.PreloadError as error:
         print(f"tfscale-launch: {error}.", file=sys.stderr, flush=True)
         return 2
-    print(f"tfscale-launch: {started_line(restart, slots, workers, addresses)}",
+    pids = [process.pid for process in workers.processes]
+    print(f"tfscale-launch: {started_line(restart, slots, pids, addresses)}",
           file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -294,7 +294,11 @@ def measure(rounds=3, num_workers=2):
 
 def main():
     if sys.argv[1:2] == ["measure"]:
-        measure(*(int(arg) for arg in sys.argv[2:4]))
+        counts = sys.argv[2:]
+        if len(counts) > 2 or not all(c.isdigit() and int(c) >= 1 for c in counts):
+            sys.exit("usage: python -m tfscale.launch.preload measure [ROUNDS "
+                     f"[WORKERS]], each a whole number from 1; got {counts}")
+        measure(*(int(count) for count in counts))
         return
     channel = socket.socket(fileno=int(sys.argv[1]))
     modules = [m for m in sys.argv[2].split(",") if m]

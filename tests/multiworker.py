@@ -211,8 +211,9 @@ def pid_alive(pid):
 def started_pid(launcher_output, slot, restart=0):
     """The pid of the worker of `slot` in launch `restart`, as tfscale-launch
     named it in `launcher_output` ("launch R started worker I (slot S) pid P
-    ..."; the last such line, after a relaunch on fresh ports), or None. Fresh
-    or forked from --preload alike."""
+    ..."), or None. Fresh or forked from --preload alike. After a relaunch on
+    fresh ports (a port taken) the last such line is the live one: call it
+    once the launch has made progress."""
     started = re.findall(rf"tfscale-launch: launch {restart} started (.*)\.$",
                          launcher_output, re.MULTILINE)
     if not started:

@@ -26,7 +26,8 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("imagenet")
     imagenet_archives.write(str(tmp / "manual"), num_validation=12, train_per_synset=6)
     command = [
-        # Fresh workers; the launcher's line names their pids.
+        # Fresh workers, so a killed fresh worker's relaunch stays tested
+        # (preemption and automatic restart fork theirs).
         "tfscale-launch", "--num_workers=3", "--timeout=500", "--max_restarts=1",
         # The survivors wait in a collective with the killed worker: 2 s, not 10.
         "--grace_seconds=2",
@@ -44,7 +45,11 @@ def run(tmp_path_factory):
             assert launcher.poll() is None, log.read_text()[-6000:]
             time.sleep(0.2)
         killed_at = saved_step(tmp / "model")
-        os.kill(started_pid(log.read_text(), slot=2), signal.SIGKILL)
+        victim = started_pid(log.read_text(), slot=2)
+        if victim is None:
+            launcher.kill()
+            pytest.fail(f"no worker of slot 2:\n{log.read_text()[-6000:]}")
+        os.kill(victim, signal.SIGKILL)
         launcher.wait(timeout=500)
     output = log.read_text()
     assert launcher.returncode == 0, output[-6000:]

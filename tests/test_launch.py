@@ -48,8 +48,7 @@ def started_as(start, stdout):
 
 
 @pytest.mark.parametrize("start", START)
-def test_each_worker_gets_its_own_tf_config_and_prefixed_output_and_is_named_with_its_pid(
-        start):
+def test_each_worker_gets_its_tf_config_prefixed_output_and_named_pid(start):
     process, _ = launch("--num_workers=3", *start, "--", sys.executable, PROBE, "ok")
     assert process.returncode == 0, process.stderr
     started_as(start, process.stdout)

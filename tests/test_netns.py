@@ -174,7 +174,7 @@ def test_a_bad_rate_is_named_and_nothing_is_left(permitted, tmp_path):
 
 
 @pytest.mark.multiworker
-def test_each_worker_has_its_node_address(permitted, tmp_path):
+def test_each_worker_has_its_node_address_and_is_named_with_its_pid(permitted, tmp_path):
     links = root_links()
     code, out, err, pid = launch(
         tmp_path, "--num_workers=4", "--emulate_nodes=2", "--inter_node_rate=200mbit",
@@ -195,6 +195,13 @@ def test_each_worker_has_its_node_address(permitted, tmp_path):
     assert err.count("emulating 2 node(s) x 2 worker(s)") == 1
     assert f"node 0: {hosts[0]}" in err and f"node 1: {hosts[2]}" in err
     assert "tbf rate 200mbit" in err
+    # The launcher names each worker's own pid (os.getpid() inside its node)
+    # and its node address.
+    pids = {int(i): p for i, p in re.findall(r"^\[worker (\d+)\] pid=(\d+) ", out,
+                                             re.MULTILINE)}
+    assert ("tfscale-launch: launch 0 started " + ", ".join(
+        f"worker {i} (slot {i}) pid {pids[i]} at {addresses[i]}" for i in range(4))
+        + ".") in err.splitlines(), err
     assert_nothing_left(pid, out, links)
 
 

@@ -52,7 +52,9 @@ def test_launcher_names_the_killed_worker_and_leaves_no_orphans(tmp_path):
             env=worker_env(tmp_path, dict([marker.split("=")])),
         )
         wait_for(training_started(log), 240, "training to start")
-        os.kill(started_pid(log.read_text(), slot=1), signal.SIGKILL)
+        pid = started_pid(log.read_text(), slot=1)
+        assert pid, log.read_text()[-4000:]
+        os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         launcher.wait(timeout=120)
     assert launcher.returncode != 0
