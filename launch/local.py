@@ -10,10 +10,10 @@ are started, one line names each one's slot, pid and address:
     tfscale-launch: launch 0 started worker 0 (slot 0) pid 4211 at 127.0.0.1:20480, ...
 
 When a worker fails, the others are stopped and the launcher exits non-zero
-naming the failed worker; `--timeout` bounds the whole run. The ports are picked below the kernel's
-ephemeral range, where nothing takes them by chance before the workers bind
-them (ports.py); should a worker still fail to bind its port, every worker is
-stopped and all are relaunched on fresh ports.
+naming the failed worker; `--timeout` bounds the whole run. The ports are
+picked below the kernel's ephemeral range, where nothing takes them by chance
+before the workers bind them (ports.py); should a worker still fail to bind
+its port, every worker is stopped and all are relaunched on fresh ports.
 
     tfscale-launch --num_workers=4 --emulate_nodes=2 --inter_node_rate=200mbit -- CMD
 

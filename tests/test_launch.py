@@ -70,7 +70,7 @@ def test_each_worker_gets_its_tf_config_prefixed_output_and_named_pid(start):
         f"worker {i} (slot {i}) pid {pids[i]} at {addresses[i]}" for i in range(3))
         + ".") in process.stderr.splitlines()
     assert [started_pid(process.stderr, slot) for slot in range(3)] == [
-        pids[0], pids[1], pids[2]]
+        pids[slot] for slot in range(3)]
 
 
 def test_each_worker_gets_a_share_of_the_cores_unless_the_user_chose():
