@@ -23,8 +23,10 @@ from tfscale.launch import garbage_collection
 from tfscale.launch import preflight
 from tfscale.launch import train_flags
 
-# The models of the paper; tfscale.models' other builders serve the studies.
-TRAINED_MODELS = ("alexnet_bn", "resnet50")
+# The models of the paper, and AlexNet-BN in miniature (the large-batch
+# study's model) for jobs of seconds on small images; tfscale.models' other
+# builders serve the studies.
+TRAINED_MODELS = ("alexnet_bn", "alexnet_bn_small", "resnet50")
 
 
 def validate_flags(config):

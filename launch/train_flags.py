@@ -57,7 +57,10 @@ def define_flags():
 
 def _define_job_flags():
     """Model, data, length of training, and where things are written."""
-    flags.DEFINE_string("model", "alexnet_bn", "Model: alexnet_bn or resnet50.")
+    flags.DEFINE_string(
+        "model", "alexnet_bn",
+        "Model: alexnet_bn, resnet50, or alexnet_bn_small (AlexNet-BN in "
+        "miniature, at the images' own size on digits and fashion_mnist).")
     flags.DEFINE_string("dataset", "digits",
                         "Data set: digits, fashion_mnist, imagenet or synthetic.")
     flags.DEFINE_string("data_dir", None,
@@ -92,11 +95,13 @@ def _define_job_flags():
     flags.DEFINE_integer(
         "fc_units", 0,
         "alexnet_bn's fully connected width; 0: 4096 as published, or 512 on "
-        "digits and fashion_mnist (10 classes of small images need no more).",
+        "digits and fashion_mnist (10 classes of small images need no more). "
+        "alexnet_bn_small's; 0: 64.",
     )
     flags.DEFINE_integer(
         "image_size", 0,
-        "Side of the square model input; 0: the data set's default.")
+        "Side of the square model input; 0: the data set's default (for "
+        "alexnet_bn_small, the images' own size where they have one).")
     flags.DEFINE_integer(
         "seed", 0, "Seed of weights and data order (same on all workers).")
     flags.DEFINE_bool(

@@ -154,8 +154,9 @@ def test_tfscale_train_accumulation_steps(tmp_path):
     of 16 (8 per worker) per update; the checkpoint holds 8 fit steps and 4
     optimizer updates."""
     process = multiworker.run_train(
-        2, tmp_path, ["--epochs=1", "--fc_units=32", "--global_batch_size=32",
-                      "--steps_per_epoch=4", "--accumulation_steps=2", "--export_dir=",
+        2, tmp_path, ["--epochs=1", "--model=alexnet_bn_small", "--fc_units=32",
+                      "--global_batch_size=32", "--steps_per_epoch=4",
+                      "--accumulation_steps=2", "--export_dir=",
                       "--checkpoint_steps=8", f"--model_dir={tmp_path / 'run'}"],
         timeout=240)
     assert process.returncode == 0, process.output[-6000:]

@@ -224,7 +224,7 @@ def _train(args, cwd, timeout=240):
 def test_tfscale_train_grows_the_batch_and_records_the_phase(tmp_path):
     """One worker: the log names each phase, the checkpoint holds the
     updates of the grown batches and the phase it ends in."""
-    process = _train(["--fc_units=8", "--global_batch_size=16",
+    process = _train(["--model=alexnet_bn_small", "--fc_units=8", "--global_batch_size=16",
                       "--steps_per_epoch=2", "--epochs=3", "--batch_schedule=1:2,2:2",
                       "--max_global_batch_size=32", "--export_dir=",
                       f"--model_dir={tmp_path / 'run'}"], tmp_path)

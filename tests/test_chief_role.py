@@ -17,8 +17,9 @@ from multiworker import worker_env
 pytestmark = pytest.mark.multiworker
 
 
-TRAIN = ["tfscale-train", "--fc_units=16", "--global_batch_size=24", "--epochs=1",
-         "--steps_per_epoch=2", "--checkpoint_steps=1", "--model_dir=ckpt",
+TRAIN = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=16",
+         "--global_batch_size=24", "--epochs=1", "--steps_per_epoch=2",
+         "--checkpoint_steps=1", "--model_dir=ckpt",
          "--export_dir=export", "--collective_timeout=120"]
 TASKS = [("chief", 0), ("worker", 0)]
 

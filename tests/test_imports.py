@@ -188,7 +188,8 @@ _EVALUATOR = json.dumps({"cluster": {"worker": ["127.0.0.1:1"], "evaluator": ["1
 @pytest.mark.multiworker
 @pytest.mark.parametrize("args, tf_config, said", [
     (["--help"], None, "--global_batch_size"),
-    (["--model=vgg"], None, "tfscale-train: --model='vgg' is unknown. Known: alexnet_bn, resnet50"),
+    (["--model=vgg"], None, "tfscale-train: --model='vgg' is unknown. Known: alexnet_bn, "
+                            "alexnet_bn_small, resnet50"),
     (["--dataset=cifar"], None, "--dataset='cifar' is unknown. Known: digits, fashion_mnist, imagenet, "
                                "synthetic"),
     (["--batch_schedule=30"], None, "must be comma-separated epoch:factor"),  # Settings' own check

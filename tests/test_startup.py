@@ -18,7 +18,7 @@ import pytest
 
 from multiworker import worker_env
 
-TRAIN = [sys.executable, "-m", "tfscale.launch.train", "--fc_units=16",
+TRAIN = [sys.executable, "-m", "tfscale.launch.train", "--model=alexnet_bn_small", "--fc_units=16",
          "--global_batch_size=24", "--epochs=1", "--steps_per_epoch=2",
          "--export_dir=export", "--collective_timeout=120"]
 STARTUP_TIMEOUT = 12  # seconds: reports every quarter of it, 3 s

@@ -147,7 +147,7 @@ def test_a_flag_out_of_its_range_is_refused_before_anything_is_written(tmp_path)
 @pytest.mark.parametrize("args, message", [
     (["--epochs=0"], "tfscale-train: --epochs must be >= 1, got 0."),
     (["--model=alexnet"], "tfscale-train: --model='alexnet' is unknown. "
-                          "Known: alexnet_bn, resnet50"),
+                          "Known: alexnet_bn, alexnet_bn_small, resnet50"),
     (["epochs=3"], "tfscale-train: unexpected arguments: epochs=3 (flags are "
                    "written --name=value; tfscale-train --helpshort lists them)"),
 ])
@@ -163,7 +163,8 @@ def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_p
     """Own processes: op determinism, once on, stays on for the process."""
     runs = []
     for attempt in range(2):
-        process = run(["tfscale-train", "--deterministic", "--epochs=2", *SMALL,
+        process = run(["tfscale-train", "--deterministic", "--epochs=2",
+                       "--model=alexnet_bn_small", *SMALL,
                        "--export_dir=", f"--model_dir={tmp_path / str(attempt)}"],
                       cwd=tmp_path)
         assert process.returncode == 0, process.stdout[-6000:]
@@ -176,7 +177,7 @@ def test_deterministic_turns_op_determinism_on_and_the_run_repeats_bitwise(tmp_p
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
 
 
-ONE_EPOCH = ["--epochs=1", *SMALL, "--export_dir="]
+ONE_EPOCH = ["--epochs=1", "--model=alexnet_bn_small", *SMALL, "--export_dir="]
 
 
 def test_timeline_flag_writes_every_step_of_each_worker(tmp_path):

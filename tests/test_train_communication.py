@@ -22,8 +22,8 @@ def test_algorithm_compression_local_size_and_implementation_flags_reach_the_all
         tmp_path):
     export_dir = tmp_path / "export"
     process = multiworker.run_train(
-        4, tmp_path, ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=2",
-                      "--epochs=1", *FLAGS, f"--export_dir={export_dir}"])
+        4, tmp_path, ["--model=alexnet_bn_small", "--fc_units=32", "--global_batch_size=32",
+                      "--steps_per_epoch=2", "--epochs=1", *FLAGS, f"--export_dir={export_dir}"])
     output = process.output
     assert process.returncode == 0, output[-6000:]
     chief = [l for l in output.splitlines() if l.startswith("[worker 0]")]

@@ -355,3 +355,21 @@ def test_the_evaluator_role_comes_from_tf_config_as_tensorflow_reads_it(
     if cluster_resolver == "tf_config":  # what the library's strategy reads
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         assert (resolver.task_type == "evaluator") == evaluates
+
+
+@pytest.mark.parametrize("args, size, options", [
+    ([], 67, {"fc_units": 512}),  # AlexNet-BN's smallest input, upsampled digits
+    (["--model=alexnet_bn_small"], 8, {}),  # the digits' own 8x8, the model's 64 units
+    (["--model=alexnet_bn_small", "--dataset=fashion_mnist"], 28, {}),
+    (["--model=alexnet_bn_small", "--fc_units=16", "--image_size=12"], 12, {"fc_units": 16}),
+    (["--model=alexnet_bn_small", "--dataset=synthetic"], 224, {}),  # no stored size
+    (["--model=resnet50", "--dataset=imagenet"], 224, {}),
+])
+def test_each_model_gets_its_input_size_and_width_from_the_flags(args, size, options):
+    from tfscale import dataset_specs
+    from tfscale.launch import training
+
+    FLAGS.unparse_flags()
+    FLAGS(["tfscale-train", *args])
+    assert training.model_input_size(FLAGS, dataset_specs.spec(FLAGS.dataset)) == size
+    assert training.model_options(FLAGS) == options

@@ -49,7 +49,7 @@ def test_malformed_tf_config(tmp_path, tf_config, message):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--model=vgg", "--model='vgg' is unknown. Known: alexnet_bn, resnet50"),
+    ("--model=vgg", "--model='vgg' is unknown. Known: alexnet_bn, alexnet_bn_small, resnet50"),
     ("--dataset=cifar", "--dataset='cifar' is unknown. Known: digits, fashion_mnist, imagenet, synthetic"),
     ("--global_batch_size=2000", "'train' split has 1437 examples, fewer than one "
      "global batch. Received: global_batch_size=2000"),

@@ -60,7 +60,7 @@ def test_a_checkpoint_of_3_workers_resumes_on_2_and_matches_the_3_worker_run(tmp
 def test_a_slot_that_keeps_failing_is_dropped_and_training_finishes_on_2_workers(
         tmp_path):
     model_dir = tmp_path / "model"
-    train = ["--fc_units=32", "--global_batch_size=24", "--epochs=1",
+    train = ["--model=alexnet_bn_small", "--fc_units=32", "--global_batch_size=24", "--epochs=1",
              "--steps_per_epoch=14", "--checkpoint_steps=2", f"--model_dir={model_dir}",
              "--export_dir="]
     done = subprocess.run(
@@ -86,7 +86,7 @@ def test_a_slot_that_keeps_failing_is_dropped_and_training_finishes_on_2_workers
     assert len(lines) == 2, lines
     # The 3 workers' checkpoint resumes on 2 (restart 1 never got as far as
     # training): the worker count is not among the settings a resume keeps.
-    trained = re.findall(r"\[worker 0\] .*Training alexnet_bn on digits: (\d) "
+    trained = re.findall(r"\[worker 0\] .*Training alexnet_bn_small on digits: (\d) "
                          r"worker\(s\), global batch 24 \((\d+) per worker\)", output)
     assert trained == [("3", "8"), ("2", "12")]
     saved = json.loads((model_dir / "settings.json").read_text())

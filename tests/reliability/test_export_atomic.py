@@ -14,8 +14,8 @@ from multiworker import worker_env
 pytestmark = pytest.mark.multiworker
 
 
-TRAIN = ["tfscale-train", "--fc_units=16", "--global_batch_size=32", "--epochs=1",
-         "--steps_per_epoch=2"]
+TRAIN = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=16",
+         "--global_batch_size=32", "--epochs=1", "--steps_per_epoch=2"]
 
 
 def serve(path):

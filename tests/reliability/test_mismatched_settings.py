@@ -6,8 +6,8 @@ from multiworker import start_cluster
 pytestmark = pytest.mark.multiworker
 
 
-BASE = ["tfscale-train", "--fc_units=32", "--epochs=1", "--steps_per_epoch=2",
-        "--export_dir="]
+BASE = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=32", "--epochs=1",
+        "--steps_per_epoch=2", "--export_dir="]
 
 
 def test_mismatched_flags_stop_every_worker_with_the_differences(tmp_path):

@@ -25,13 +25,13 @@ from multiworker import worker_env
 pytestmark = pytest.mark.multiworker
 
 EPOCHS = 3
-STEPS_PER_EPOCH = 30
+STEPS_PER_EPOCH = 100  # mid-epoch 2, 0.3 s after it starts, on either CPU kind
 GRACE_SECONDS = 30  # Kubernetes' default terminationGracePeriodSeconds
 
 
 def train_args(model_dir):
-    return ["--fc_units=32", "--global_batch_size=32", f"--epochs={EPOCHS}",
-            f"--steps_per_epoch={STEPS_PER_EPOCH}", "--checkpoint_steps=1000",
+    return ["--model=alexnet_bn_small", "--fc_units=32", "--global_batch_size=32",
+            f"--epochs={EPOCHS}", f"--steps_per_epoch={STEPS_PER_EPOCH}", "--checkpoint_steps=1000",
             f"--model_dir={model_dir}", "--export_dir="]
 
 
@@ -97,7 +97,7 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tm
     step = saved[0]
     assert saved[1] == step
     # Epoch 2 had begun (on a busy machine its first step may not have ended
-    # 0.3 s later: the SIGTERM then comes after step 30); the agreed save is
+    # 0.3 s later: the SIGTERM then comes after step 100); the agreed save is
     # the step after it, inside epoch 2, far from --checkpoint_steps.
     assert STEPS_PER_EPOCH <= signalled_at <= step <= signalled_at + 2, (
         f"SIGTERM after step {signalled_at}, saved step {step}: steps lost")

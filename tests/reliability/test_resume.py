@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiworker
 
 def test_resuming_with_a_changed_learning_rate_is_refused_naming_only_that_change(tmp_path):
     model_dir = tmp_path / "model"
-    base = ["tfscale-train", "--fc_units=8", "--global_batch_size=32",
+    base = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=8", "--global_batch_size=32",
             "--epochs=1", "--steps_per_epoch=2", f"--model_dir={model_dir}",
             "--export_dir="]
     env = worker_env(tmp_path)

@@ -17,7 +17,7 @@ from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
 
-TRAIN = ["tfscale-train", "--fc_units=16", "--global_batch_size=32",
+TRAIN = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=16", "--global_batch_size=32",
          "--steps_per_epoch=4", "--checkpoint_steps=2", "--epochs=2",
          "--export_dir=", "--collective_timeout=120"]
 

@@ -21,8 +21,9 @@ COLLECTIVE_TIMEOUT = 30  # seconds
 # stopped 10 s after its peer's SIGKILL or SIGSTOP; under tfscale's default,
 # 60 s, after 43 s (SIGKILL) and 32 s (SIGSTOP: the collective timeout).
 HEARTBEAT_TIMEOUT = 10
-TRAIN = ["tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=50",
-         "--steps_per_epoch=20", f"--collective_timeout={COLLECTIVE_TIMEOUT}",
+TRAIN = ["tfscale-train", "--model=alexnet_bn_small", "--fc_units=32",
+         "--global_batch_size=32", "--epochs=50", "--steps_per_epoch=20",
+         f"--collective_timeout={COLLECTIVE_TIMEOUT}",
          f"--heartbeat_timeout={HEARTBEAT_TIMEOUT}", "--export_dir="]
 
 
