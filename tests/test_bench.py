@@ -99,16 +99,32 @@ def test_project_fits_the_measurements_and_projects_the_paper_hardware(allreduce
     assert "h-d (ms)" in stdout and "PowerSGD r4 (ms)" in stdout
 
 
-def test_train_reports_throughput_efficiency_and_exposed_communication_per_threshold(
-        tmp_path):
+JAX_MISSING = (None if importlib.util.find_spec("jax") else
+               'needs JAX beside TensorFlow: pip install "tfscale[jax]"')
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory):
+    """One train run for the tests of its rows: stock, lockstep, Keras on
+    JAX (where JAX is installed) and ring with PowerSGD at two thresholds,
+    so the 1-worker reference and stock's launch run once for all."""
+    tmp_path = tmp_path_factory.mktemp("bench_train")
     output = tmp_path / "train.json"
+    algorithms = "stock,lockstep,ring" + (",jax" if JAX_MISSING is None else "")
     stdout = bench(
         tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
         "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=2",
-        "--warmup_steps=1", "--precisions=float32", "--algorithms=stock,lockstep,ring",
+        "--warmup_steps=1", "--precisions=float32", f"--algorithms={algorithms}",
         "--compression=powersgd", "--powersgd_rank=2",
-        "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=420)
-    stock, lockstep, row, small = json.loads(output.read_text())
+        "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=600)
+    return {row["config"]: row for row in json.loads(output.read_text())}, stdout
+
+
+def test_train_reports_throughput_efficiency_and_exposed_communication_per_threshold(
+        train_run):
+    rows, stdout = train_run
+    stock, lockstep = rows["stock"], rows["lockstep"]
+    row, small = rows["ring+powersgd@32MiB"], rows["ring+powersgd@64KiB"]
     assert stock["config"] == "stock" and 0 < stock["exposed_communication_seconds"]
     # Every row says what a step all-reduces: the model's size at this input
     # (AlexNet-BN's depends on it), counted by the workers.
@@ -193,19 +209,10 @@ def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
     assert "(auto: after 23 more for its trials and decision)" in stdout
 
 
-JAX_MISSING = (None if importlib.util.find_spec("jax") else
-               'needs JAX beside TensorFlow: pip install "tfscale[jax]"')
-
-
 @pytest.mark.skipif(JAX_MISSING is not None, reason=JAX_MISSING or "")
-def test_train_against_keras_on_jax_trains_the_same_losses_and_times_both(tmp_path):
-    output = tmp_path / "train.json"
-    stdout = bench(
-        tmp_path, "train", "--num_workers=2", "--model=alexnet_bn", "--image_size=67",
-        "--fc_units=16", "--per_worker_batch=2", "--steps=2", "--warmup_steps=1",
-        "--precisions=float32", "--algorithms=stock,jax", f"--output={output}",
-        timeout=420)
-    stock, jax_row = json.loads(output.read_text())
+def test_train_against_keras_on_jax_trains_the_same_losses_and_times_both(train_run):
+    rows, stdout = train_run
+    stock, jax_row = rows["stock"], rows["jax"]
     assert jax_row["config"] == "jax" and jax_row["exposed_communication_seconds"] is None
     assert jax_row["gradient_floats"] == stock["gradient_floats"]
     # Both started from the same weights and trained the same batch: JAX's

@@ -32,7 +32,8 @@ def run(tmp_path_factory):
         # The survivors wait in a collective with the killed worker: 2 s, not 10.
         "--grace_seconds=2",
         "--", "tfscale-train", "--dataset=imagenet", f"--data_dir={tmp / 'data'}",
-        f"--manual_dir={tmp / 'manual'}", "--image_size=67", "--fc_units=16",
+        f"--manual_dir={tmp / 'manual'}", "--model=alexnet_bn_small", "--image_size=32",
+        "--fc_units=16",
         "--global_batch_size=8", "--epochs=2", "--steps_per_epoch=4",
         "--checkpoint_steps=2", f"--model_dir={tmp / 'model'}",
         f"--export_dir={tmp / 'export'}"]

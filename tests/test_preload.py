@@ -56,7 +56,8 @@ def test_forked_workers_in_emulated_nodes_each_reach_the_other_node():
 
 def test_tfscale_train_forked_from_a_preload_exports_its_model(tmp_path):
     process = launch("--num_workers=2", "--preload=tfscale.strategy", "--",
-                     "tfscale-train", "--epochs=1", f"--export_dir={tmp_path / 'export'}",
+                     "tfscale-train", "--model=alexnet_bn_small", "--epochs=1",
+                     f"--export_dir={tmp_path / 'export'}",
                      cwd=str(tmp_path))
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     assert (tmp_path / "export" / "saved_model.pb").exists()
