@@ -369,7 +369,6 @@ def test_each_model_gets_its_input_size_and_width_from_the_flags(args, size, opt
     from tfscale import dataset_specs
     from tfscale.launch import training
 
-    FLAGS.unparse_flags()
-    FLAGS(["tfscale-train", *args])
+    parse(*args)
     assert training.model_input_size(FLAGS, dataset_specs.spec(FLAGS.dataset)) == size
     assert training.model_options(FLAGS) == options
