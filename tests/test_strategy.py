@@ -112,6 +112,13 @@ def test_stock_strategy_times_its_all_reduces(three_strategies):
         assert result["untimed"]["exposed"] is None
 
 
+@pytest.mark.multiworker
+def test_a_later_strategy_waits_for_a_peer_past_the_collective_timeout(three_strategies):
+    # Worker 1 came to its fourth strategy 4 s late; worker 0 waited at the
+    # start barrier instead of failing after the 1-s collective timeout.
+    assert three_strategies[0]["late_peer_wait_seconds"] > 1, three_strategies
+
+
 def test_an_evaluator_task_is_refused_before_anything_starts(monkeypatch):
     import json
 

@@ -46,8 +46,8 @@ from tfscale._validation import is_finite_number
 from tfscale._validation import is_number
 from tfscale.collectives.options import CommunicationOptions
 
-# How long building a strategy waits for the other workers when no collective
-# timeout is set.
+# How long a later strategy waits at its start barrier for the other workers
+# to build it, by default: they may still be in a long fit or evaluate.
 _STARTUP_BARRIER_SECONDS = 3600
 
 
@@ -78,8 +78,9 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
             `tfscale.StartupError` naming them; `None` waits as long as it
             takes. See `tfscale.startup.wait_for_peers`.
         barrier_timeout_seconds: how long a later strategy waits for every
-            worker to build it; default: `communication_options`' timeout,
-            else an hour.
+            worker to build it; default: an hour. Not the collective
+            timeout: a peer may still be in a long `fit` or `evaluate`
+            when this worker gets here.
         heartbeat_timeout_seconds: after how long without a heartbeat
             TensorFlow's coordination service takes a worker for lost and
             stops the job (each heartbeat may take half of it to be
@@ -110,9 +111,7 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         keras_hooks.route_symbolic_build(_is_keras_multi_worker_strategy)
         number = tf_collectives.take_collective_keys(
             self, collectives.topology.MAX_SUBGROUP_INDEX)
-        timeout = (barrier_timeout_seconds
-                   or getattr(communication_options, "timeout_seconds", None)
-                   or _STARTUP_BARRIER_SECONDS)
+        timeout = barrier_timeout_seconds or _STARTUP_BARRIER_SECONDS
         if cluster_resolver is None:  # what MWMS would build
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if not tf_collectives.cluster_connected():
@@ -321,7 +320,6 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             # take no timeout: each timed one would hold a thread for all of
             # it (see `tfscale.collectives.watchdog`).
             communication_options=tf.distribute.experimental.CommunicationOptions(),
-            barrier_timeout_seconds=communication.timeout_seconds,
             time_all_reduces=communication.time_all_reduces,
             startup_timeout_seconds=startup_timeout_seconds,
             heartbeat_timeout_seconds=heartbeat_timeout_seconds,

@@ -6,17 +6,25 @@
 3. `tfscale.Strategy(CommunicationOptions(time_all_reduces=False))` on a model
    of other shapes (a second Strategy reusing the first one's collective keys
    fails with "Shape mismatch in the collective instance").
+4. `tfscale.Strategy(CommunicationOptions(timeout_seconds=1))`, built while
+   worker 1 is still busy for `LATE_PEER_SECONDS`: a later strategy's start
+   barrier waits for a peer still in its last `fit`, however short the
+   collective timeout.
 """
+
+import time
 
 import numpy as np
 
 import keras
 import tfscale
 from report import report
+from report import worker_index
 from sharded_data import round_robin
 from tfscale.strategy import KerasMultiWorkerMirroredStrategy
 
 GLOBAL_BATCH = 8
+LATE_PEER_SECONDS = 4
 
 
 def dataset_fn(input_context):
@@ -51,7 +59,12 @@ def main():
     untimed = tfscale.Strategy(communication=tfscale.CommunicationOptions(
         algorithm="ring", time_all_reduces=False))
     untimed_weights = train(untimed, units=7)
+    if worker_index() == 1:
+        time.sleep(LATE_PEER_SECONDS)  # as if a longer fit were still running
+    started = time.monotonic()
+    tfscale.Strategy(communication=tfscale.CommunicationOptions(timeout_seconds=1))
     report({
+        "late_peer_wait_seconds": time.monotonic() - started,
         "stock": {"weights": stock_weights, "exposed": exposed(stock)},
         "default": {"weights": default_weights, "exposed": exposed(default),
                     "batch_sizes": default.all_reduce_batch_sizes},
