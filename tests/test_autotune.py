@@ -374,7 +374,10 @@ def _auto_on_two_nodes(fusion_threshold_bytes=0):
 
 
 def _traced_op_types(all_reduce, world, jit_compile=False):
-    function = tf.function(lambda *t: all_reduce(list(t), world), jit_compile=jit_compile)
+    # autograph=False: as Keras traces a step (its step functions are
+    # `do_not_convert`); converting the all-reduce's Python takes seconds.
+    function = tf.function(lambda *t: all_reduce(list(t), world),
+                           jit_compile=jit_compile, autograph=False)
     graph = function.get_concrete_function(
         *[tf.TensorSpec([n], tf.float32) for n in (300, 900)]).graph
     return {op.type for op in graph.get_operations()}

@@ -65,7 +65,9 @@ def trace(topology, algorithm, timed):
         all_reduce = collectives.AllReduce(
             topology, algorithm, fusion_threshold_bytes=0, implementation="ring",
             note=recorder.context, exposed_communication_seconds=exposed)
-        function = tf.function(lambda *tensors: all_reduce(list(tensors), world))
+        # As Keras traces a step: without autograph (see test_nccl_graph.py).
+        function = tf.function(lambda *tensors: all_reduce(list(tensors), world),
+                               autograph=False)
         graph = function.get_concrete_function(
             *[tf.TensorSpec([n], tf.float32) for n in SIZES]).graph
     finally:

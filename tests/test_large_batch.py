@@ -12,7 +12,9 @@ import pytest
 import multiworker
 from skips import needs_fashion_mnist
 from tfscale.launch.studies.large_batch import compare
+from tfscale.launch.studies.large_batch import report
 from tfscale.launch.studies.large_batch import results
+from tfscale.launch.studies.large_batch import rows
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,24 +31,27 @@ def run_study(tmp_path, *args, timeout=300):
 @pytest.mark.multiworker
 @needs_fashion_mnist
 def test_each_run_is_a_row_on_disk_and_a_rerun_trains_nothing(tmp_path):
+    # One row, which trains 2 epochs of all 60,000 images (about 130 s on
+    # one process): the baseline's place in the table is checked without
+    # training (test_the_table_puts_each_row_at_its_best_rate_beside_the_baseline).
     page = tmp_path / "page.md"
     page.write_text("# Results\n\nOur reading.\n\n<!-- results -->\nold\n"
                     "<!-- /results -->\n\nMore of our text.\n")
-    args = ["--rows=sgd@128,batch_growth@16384", "--epochs=2",
+    args = ["--rows=batch_growth@16384", "--epochs=2",
             "--warmup_epochs=0.5", "--growth=1:16", "--seeds=1",
             "--sgd_learning_rates=0.05", "--results=runs.jsonl",
             f"--doc={page}", "--plot=plot.png"]
     process = run_study(tmp_path, *args)
     assert process.returncode == 0, process.stdout[-4000:]
-    assert "2 runs selected, 0 already in runs.jsonl, 2 to run." in process.stdout
+    assert "1 run selected, 0 already in runs.jsonl, 1 to run." in process.stdout
     records = [json.loads(line) for line in
                (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert [r["row"] for r in records] == ["sgd@128", "batch_growth@16384"]
-    # 2 epochs of 60000 // 128 updates; growth: one epoch of 58 updates of
-    # 1024, then the same 59,392 examples in 3 updates of 16384.
-    assert [r["updates"] for r in records] == [2 * 468, 58 + 3]
+    assert [r["row"] for r in records] == ["batch_growth@16384"]
+    # One epoch of 60000 // 1024 = 58 updates of 1024, then the same
+    # 59,392 examples in 3 updates of 16384.
+    assert [r["updates"] for r in records] == [58 + 3]
     assert all(len(r["accuracy"]) == 2 and r["workers"] == 1 for r in records)
-    # The baseline learns; the page keeps its own text around the results.
+    # It learns; the page keeps its own text around the results.
     assert records[0]["final_accuracy"] > 80
     text = page.read_text()
     assert text.startswith("# Results\n\nOur reading.\n\n<!-- results -->")
@@ -54,16 +59,34 @@ def test_each_run_is_a_row_on_disk_and_a_rerun_trains_nothing(tmp_path):
     assert "old" not in text
     assert ("Command: `python -m tfscale.launch.studies.large_batch "
             + " ".join(args) + "`") in text
-    assert "| SGD, batch 128 (baseline) | 128 | 6.4 |" not in text  # unscaled
-    assert "| SGD, batch 128 (baseline) | 128 | 0.05 | 0.05 |" in text
+    # The batch-128 rate scaled linearly to the first batch, 1024, and kept
+    # while the batch grows.
     assert "| 1024→16384 | 0.4 | 0.4 |" in text
     assert "![test accuracy against batch size](plot.png)" in text
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
 
     again = run_study(tmp_path, *args)
     assert again.returncode == 0, again.stdout[-4000:]
-    assert "2 runs selected, 2 already in runs.jsonl, 0 to run." in again.stdout
-    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2
+    assert "1 run selected, 1 already in runs.jsonl, 0 to run." in again.stdout
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_table_puts_each_row_at_its_best_rate_beside_the_baseline():
+    def record(row, rate, peak, accuracy, updates):
+        return {"row": row, "learning_rate": rate, "peak_learning_rate": peak,
+                "final_accuracy": accuracy, "updates": updates, "seconds": 10.0}
+
+    table = report.table(
+        [rows.Row("sgd", 128), rows.Row("batch_growth", 16384)],
+        [record("sgd@128", 0.05, 0.05, 89.0, 936),
+         record("sgd@128", 0.1, 0.1, 88.0, 936),
+         record("batch_growth@16384", 0.05, 0.4, 86.5, 61)])
+    assert table[2:] == [
+        # The baseline at its best rate, unscaled, of the two tried.
+        "| SGD, batch 128 (baseline) | 128 | 0.05, 0.1 | 0.05 "
+        "| 89.00 ± 0.00 (89.00-89.00) |  | 936 | 10 |",
+        "| SGD, batch grown from 1024 (Smith et al.), batch 16384 | 1024→16384 "
+        "| 0.4 | 0.4 | 86.50 ± 0.00 (86.50-86.50) | -2.50 | 61 | 10 |"]
 
 
 def test_a_line_cut_short_by_a_crash_costs_only_its_own_run(tmp_path):

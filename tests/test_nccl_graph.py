@@ -44,7 +44,10 @@ def trace(topology, algorithm, implementation_name, sizes=SIZES, **options):
     all_reduce = collectives.AllReduce(
         topology, algorithm, fusion_threshold_bytes=2048,
         implementation=implementation_name, **options)
-    function = tf.function(lambda *tensors: all_reduce(list(tensors), world))
+    # autograph=False: as Keras traces a step (its step functions are
+    # `do_not_convert`); converting the all-reduce's Python takes seconds.
+    function = tf.function(lambda *tensors: all_reduce(list(tensors), world),
+                           autograph=False)
     graph = function.get_concrete_function(
         *[tf.TensorSpec([n], tf.float32) for n in sizes]).graph
     ops = [op for op in graph.get_operations() if op.type in COLLECTIVES]

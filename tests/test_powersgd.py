@@ -295,8 +295,8 @@ def test_buckets_follow_backprop_and_each_starts_with_its_own_gradients():
     from tests.test_collective_order import waits_for
     sums = []
     compressor, optimizer = run(40_000, sums)
-    graph = tf.function(lambda *g: compressor.all_reduce(
-        list(g), optimizer, variables, step=0)).get_concrete_function(
+    graph = tf.function(lambda *g: compressor.all_reduce(  # as Keras traces: no autograph
+        list(g), optimizer, variables, step=0), autograph=False).get_concrete_function(
             *[tf.TensorSpec(s, tf.float32) for s in shapes]).graph
     placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
     # Calls: the uncompressed rest, then P and Q of each bucket.

@@ -54,7 +54,8 @@ def train_missing(runs, done):
 
     strategy = tfscale.Strategy()  # one per study: every run shares it
     todo = [run for run in runs if run.key not in done]
-    print(f"{len(runs)} runs selected, {len(runs) - len(todo)} already in "
+    print(f"{len(runs)} run{'' if len(runs) == 1 else 's'} selected, "
+          f"{len(runs) - len(todo)} already in "
           f"{FLAGS.results}, {len(todo)} to run.", flush=True)
     for index, run in enumerate(todo, start=1):
         record, model = training.train(run, strategy)
