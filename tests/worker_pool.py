@@ -32,10 +32,9 @@ MAX_POOLS = 5
 # What the kept pools' workers may hold of their own (Private_Dirty in
 # /proc/PID/smaps_rollup, beside ~0.4 GB of TensorFlow's libraries that all
 # of them share). A worker holds ~0.4 GB after a small scenario, but one
-# that ran a large batch keeps its peak, 3-4 GB in a full run: with oneDNN
-# on (TensorFlow's default on x86), the CPU allocator is MklCPUAllocator
-# (tensorflow/core/common_runtime/threadpool_device.cc), whose BFC
-# allocator keeps large blocks for reuse. Beyond this, the least
+# that ran a large batch keeps its peak, 3-4 GB in a full run: its CPU
+# allocator is a BFC allocator (TF_CPU_ALLOCATOR_USE_BFC, conftest.py),
+# which keeps large blocks for reuse. Beyond this, the least
 # recently used pools end (or the one asked for, if it alone holds that
 # much), which leaves room for the pytest process (~2 GB) and
 # test_scale.py's 9 fresh workers (~7 GB) on a 24 GB machine. Under
