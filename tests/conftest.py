@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # faulted in again the next step: one epoch of the large-batch study's
 # batch-8192 row took 48.5 CPU-seconds (18.7 of them the kernel's, 6.6M page
 # faults) and 33.5 with it (2.6, 0.6M), to the same accuracy. Set before
-# anything imports TensorFlow; a value the user set is kept. CI's main job,
-# wheel and oldest-pair jobs run TensorFlow's default.
+# anything imports TensorFlow; a value the user set is kept. CI's main job
+# and wheel job run TensorFlow's default (tests/README.md has the command).
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 # Commands that start a worker process (the first word's basename).
