@@ -130,3 +130,38 @@ def test_an_evaluator_task_is_refused_before_anything_starts(monkeypatch):
     with pytest.raises(ValueError, match="This process is an `evaluator` task of "
                        "its cluster, which takes no part in training"):
         tfscale.Strategy()
+
+
+def test_a_custom_loop_runs_tfscales_reduce_as_written_not_converted_by_autograph():
+    """TensorFlow's custom-training-loop tutorial calls `strategy.reduce` in
+    its `tf.function`, which autograph converts; what it calls of tfscale
+    runs as written (`graph_order.trace_unconverted`), as TensorFlow's own
+    code does, not converted again at every trace."""
+    import sys
+
+    import tensorflow as tf
+
+    import tfscale
+
+    strategy = tfscale.Strategy()
+
+    @tf.function
+    def train_step(x):
+        per_replica = strategy.run(lambda v: v * 2.0, args=(x,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result = train_step(tf.constant(3.0))
+    finally:
+        sys.setprofile(None)
+    assert float(result) == 6.0
+    assert "tf__train_step" in called  # the user's function: converted
+    assert "reduce_one" in called and "tf__reduce" not in called, sorted(
+        name for name in set(called) if name.startswith("tf__"))

@@ -26,10 +26,13 @@ import sys
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale import _version
+from tfscale import agreement
 from tfscale._private import accessors
+from tfscale._private import graph_order
 from tfscale._private import hooks
 from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
@@ -109,6 +112,8 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         # Keras builds the model from this worker's first batch, not from a
         # cross-worker mean that fails on batches of different sizes.
         keras_hooks.route_symbolic_build(_is_keras_multi_worker_strategy)
+        # A user's tf.function that calls tfscale traces its code as written.
+        graph_order.trace_unconverted("tfscale")
         number = tf_collectives.take_collective_keys(
             self, collectives.topology.MAX_SUBGROUP_INDEX)
         timeout = barrier_timeout_seconds or _STARTUP_BARRIER_SECONDS
@@ -455,9 +460,8 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
             dataset_fn, options=options)
         if self.num_workers > 1:
             mine = accessors.cardinality(distributed)
-            everyone = self.gather(self.experimental_distribute_values_from_function(
-                lambda _: tf.constant([mine], tf.int64)), axis=0)
-            agreed = uneven_data.agreed_cardinality(everyone.numpy())
+            everyone = agreement.gather(self, np.array([mine], np.int64))
+            agreed = uneven_data.agreed_cardinality(everyone[:, 0])
             if agreed is not None:
                 accessors.set_cardinality(distributed, agreed)
         return distributed
@@ -489,9 +493,7 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
 
     def _gather(self, value):
         """Every worker's float `value`, chief first (eager; a collective)."""
-        values = self.experimental_distribute_values_from_function(
-            lambda _: tf.constant([value], tf.float64))
-        return self.gather(values, axis=0).numpy()
+        return agreement.gather(self, np.array([value], np.float64))[:, 0]
 
     def _sum_over_workers(self, tensors):
         """Sums `tensors` over all workers, fused as any all-reduce, with no

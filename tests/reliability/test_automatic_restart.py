@@ -42,7 +42,7 @@ def train_args(model_dir):
 def command(model_dir, *launcher_flags):
     # Forked from one import (--preload): the launcher's line names the pids.
     return [sys.executable, "-m", "tfscale.launch.local", "--num_workers=2", "--timeout=400",
-            "--grace_seconds=2", "--preload=tfscale.launch.train", *launcher_flags, "--",
+            "--grace_seconds=2", "--preload=tfscale.strategy", *launcher_flags, "--",
             sys.executable, "-m", "tfscale.launch.train", *train_args(model_dir)]
 
 

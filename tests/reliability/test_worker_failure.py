@@ -48,7 +48,7 @@ def test_launcher_names_the_killed_worker_and_leaves_no_orphans(tmp_path):
             # Forked from one import: the preload process, holding the
             # marker too, must be gone with the rest.
             ["tfscale-launch", "--num_workers=2", "--timeout=300",
-             "--preload=tfscale.launch.train", "--", *TRAIN],
+             "--preload=tfscale.strategy", "--", *TRAIN],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
             env=worker_env(tmp_path, dict([marker.split("=")])),
         )

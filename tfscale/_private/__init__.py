@@ -4,9 +4,10 @@ The bottom layer of tfscale: it imports nothing of tfscale; what it needs
 (key ranges, reducers, predicates) is passed in. Four modules use them:
 `tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
 `keras_hooks` (Keras's methods routed), `accessors` (state with no public
-accessor), `graph_order` (where `tf.function` places timestamps and
-bookkeeping ops). A fifth, `hooks`, checks that each of their private uses
-is where they expect it.
+accessor), `graph_order` (how `tf.function` traces tfscale's code: not
+converted by autograph, its timestamps and bookkeeping ops placed). A
+fifth, `hooks`, checks that each of their private uses is where they
+expect it.
 
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
 all-reduces, nor the raw collective ops over sub-groups of its cluster; tfscale
@@ -141,6 +142,13 @@ once on an untested version where all of them fit:
   per worker instead of TensorFlow's thread per timed op
   (`tfscale.collectives.watchdog`). tests/test_watchdog.py,
   test_a_stalled_worker_fails_the_others_after_the_timeout.
+- autograph's `config.CONVERSION_RULES` and `config_lib.DoNotConvert`, which
+  `conversion.is_allowlisted` reads (`graph_order.trace_unconverted`): a
+  user's `tf.function` that calls tfscale (a custom loop's
+  `strategy.reduce`) runs tfscale's code as written, as it runs
+  TensorFlow's and Keras's, instead of converting it again at every trace.
+  tests/test_strategy.py,
+  test_a_custom_loop_runs_tfscales_reduce_as_written_not_converted_by_autograph.
 - `auto_control_deps.ASYNC_STATEFUL_OPS` (`graph_order.unorder_timestamps`):
   with the timeline on, `tf.timestamp` joins the ops `tf.function` does not
   run in program order, so that a stamp after one bucket's result holds back

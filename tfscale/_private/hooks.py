@@ -119,6 +119,11 @@ HOOKS = (
          "DistributedDatasetsFromFunction.__init__",
          uses=("_cardinality", "_enable_get_next_as_optional")),
     # graph_order
+    Hook("tensorflow.python.autograph.core.config", "CONVERSION_RULES"),
+    Hook("tensorflow.python.autograph.core.config_lib", "DoNotConvert.__init__",
+         ("self", "module_prefix")),
+    Hook("tensorflow.python.autograph.impl.conversion", "is_allowlisted",
+         uses=("CONVERSION_RULES",)),
     Hook(_ACD, "ASYNC_STATEFUL_OPS"),
     Hook(_ACD, "AutomaticControlDependencies.__enter__",
          uses=("experimental_acd_manager",)),
