@@ -126,12 +126,18 @@ class PreloadProcess:
         return (self._process.poll() is None and tuple(modules) == self.modules
                 and {k: v for k, v in env.items() if k not in PER_WORKER} == self.env)
 
-    def start(self, target, env, netns=None):
+    def start(self, target, env, netns=None, output=None, cwd=None):
         """Forks a worker running `target` (see `python_target`) with
         environment `env`, in network namespace `netns` (a name from `ip
-        netns`) if given; returns it as a `ForkedWorker`."""
-        read, write = os.pipe()
-        request = {"target": target, "env": env, "cwd": os.getcwd(),
+        netns`) if given, in folder `cwd` (default: this process's); returns
+        it as a `ForkedWorker`. Its standard output and error go to a pipe,
+        its `stdout`, or to the open file `output` (as
+        `subprocess.Popen(stdout=output, stderr=STDOUT)`)."""
+        if output is None:
+            read, write = os.pipe()
+        else:
+            read, write = None, os.dup(output.fileno())
+        request = {"target": target, "env": env, "cwd": cwd or os.getcwd(),
                    "netns": netns, "parent": os.getpid()}
         try:
             socket.send_fds(self._socket, [json.dumps(request).encode()], [write])
@@ -141,14 +147,16 @@ class PreloadProcess:
         finally:
             os.close(write)
         if not reply:
-            os.close(read)
+            if read is not None:
+                os.close(read)
             code = self._process.wait()
             self._printer.join(timeout=10)
             raise PreloadError(
                 f"the preload process (--preload={','.join(self.modules)}) exited "
                 f"with code {code} before starting a worker; its output is above, "
                 "prefixed [preload]")
-        return ForkedWorker(json.loads(reply)["pid"], os.fdopen(read, "rb"))
+        return ForkedWorker(json.loads(reply)["pid"],
+                            None if read is None else os.fdopen(read, "rb"))
 
     def close(self):
         self._socket.close()  # the preload process exits at end of input
@@ -161,7 +169,7 @@ class PreloadProcess:
 
 class ForkedWorker:
     """A worker forked by the preload process and adopted by the launcher:
-    `pid`, `stdout` and `poll()` as a `subprocess.Popen` has them."""
+    `pid`, `stdout`, `poll()` and `wait()` as a `subprocess.Popen` has them."""
 
     def __init__(self, pid, stdout):
         self.pid = pid
@@ -173,6 +181,12 @@ class ForkedWorker:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
 

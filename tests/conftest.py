@@ -9,6 +9,7 @@ while working. Unmarked tests that start such a process fail, naming the mark,
 so the fast tier stays fast and the marks stay true.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,17 +38,23 @@ def pytest_configure(config):
         "markers", "multiworker: starts worker processes (a Python interpreter, "
         "tfscale-train, tfscale-launch, tfscale-bench); deselect with "
         '-m "not multiworker" for the fast tier')
+    config.addinivalue_line(
+        "markers", "package_index: asks the package index (pip's resolver), "
+        "mostly waiting on the network: handed out first under pytest-xdist")
 
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadfile`, README's test command),
-    the modules that start workers go first: xdist hands out whole modules
-    (`--dist loadfile`) in this order, so the long ones start early and the
-    fast-tier modules, seconds each, fill in at the end instead of one
-    long module running alone on a machine that is otherwise done."""
+    the modules that wait on the package index go first, then those that
+    start workers: xdist hands out whole modules (`--dist loadfile`) in this
+    order, so the other process computes while one waits, the long ones
+    start early and the fast-tier modules, seconds each, fill in at the end
+    instead of one long module running alone on a machine that is otherwise
+    done."""
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: any order
         return
-    items.sort(key=lambda item: item.get_closest_marker("multiworker") is None)
+    items.sort(key=lambda item: (item.get_closest_marker("package_index") is None,
+                                 item.get_closest_marker("multiworker") is None))
 
 
 def _starts_a_worker(args):
@@ -89,12 +96,19 @@ def _check_installed_from_here():
 
 def pytest_sessionstart(session):
     """Checks which checkout is installed; refuses worker processes to
-    unmarked tests, their fixtures included; skips the collection at exit,
-    as tfscale-train does."""
+    unmarked tests, their fixtures included; imports tfscale's core with the
+    collector paused, then frozen, and skips the collection at exit, as
+    tfscale-train does."""
     _check_installed_from_here()
     from tfscale.launch import garbage_collection
 
     garbage_collection.skip_final_collection()
+    if importlib.util.find_spec("tensorflow") is not None:
+        # As tfscale-train imports them: the tests' full collections then
+        # skip TensorFlow's and Keras's module objects.
+        from multiworker import FRESH_WORKER_IMPORTS
+
+        garbage_collection.import_frozen(FRESH_WORKER_IMPORTS)
     original = subprocess.Popen.__init__
 
     def guarded(self, args, *rest, **kwargs):

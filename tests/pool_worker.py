@@ -1,14 +1,15 @@
 """One worker of a reused test pool (tests/worker_pool.py).
 
-Started once with its TF_CONFIG, it runs worker scripts (tests/workers/*.py)
+Forked once with its TF_CONFIG (tests/worker_pool.py), it runs worker scripts (tests/workers/*.py)
 one after another in this process, as TensorFlow's own
 `MultiProcessPoolRunner` runs test functions in long-lived workers
 (tensorflow/python/distribute/multi_process_runner.py). Each request is one
-JSON line on stdin: `{"id", "script" or "module", "args", "env", "cwd"}`.
+JSON line: `{"id", "script" or "module", "args", "env", "cwd"}`.
 The script (or module) runs as `__main__`, as `python script args...` (or
 `python -m module args...`) would run it; then this worker writes
-`{"id", "exit"}` as one line to the status pipe (the file descriptor given as
-its only argument).
+`{"id", "exit"}` as one line back. Requests come, and statuses go, over a
+connection to the Unix socket its pool listens on (the path given as its only
+argument), on which it first names itself by its slot (TFSCALE_SLOT).
 
 Between scripts it restores what a script may change for the whole process
 (environment, argv, working directory, temporary directory, the script's
@@ -29,6 +30,7 @@ import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import tempfile
 import traceback
@@ -138,16 +140,21 @@ def _die_with_the_test_process():
 
 def main():
     _die_with_the_test_process()
-    status = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel.connect(sys.argv[1])
+    requests, status = channel.makefile("r"), channel.makefile("w")
+    status.write(f"{os.environ['TFSCALE_SLOT']}\n")
+    status.flush()
     app.define_help_flags()  # absl's, not a scenario's: kept between scenarios
     app.run = _run_absl_main
-    for line in sys.stdin:
+    for line in requests:
         request = json.loads(line)
         what = request.get("module") or os.path.basename(request["script"])
         print(f"pool worker: scenario {request['id']}: {what} {' '.join(request['args'])}",
               file=sys.stderr, flush=True)
         code = run(request)
         status.write(json.dumps({"id": request["id"], "exit": code}) + "\n")
+        status.flush()
         if code == LEFT_STATE_EXIT:
             break
 

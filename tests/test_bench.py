@@ -107,13 +107,14 @@ JAX_MISSING = (None if importlib.util.find_spec("jax") else
 def train_run(tmp_path_factory):
     """One train run for the tests of its rows: stock, lockstep, Keras on
     JAX (where JAX is installed) and ring with PowerSGD at two thresholds,
-    so the 1-worker reference and stock's launch run once for all."""
+    so the 1-worker reference and stock's launch run once for all. AlexNet-BN
+    in miniature: these tests check the rows, not a model's speed."""
     tmp_path = tmp_path_factory.mktemp("bench_train")
     output = tmp_path / "train.json"
     algorithms = "stock,lockstep,ring" + (",jax" if JAX_MISSING is None else "")
     stdout = bench(
-        tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn",
-        "--image_size=67", "--fc_units=16", "--per_worker_batch=2", "--steps=2",
+        tmp_path, "train", "--num_workers=2", "--local_size=1", "--model=alexnet_bn_small",
+        "--image_size=32", "--fc_units=16", "--per_worker_batch=2", "--steps=2",
         "--warmup_steps=1", "--precisions=float32", f"--algorithms={algorithms}",
         "--compression=powersgd", "--powersgd_rank=2",
         "--fusion_thresholds=33554432,65536", f"--output={output}", timeout=600)
@@ -130,7 +131,8 @@ def test_train_reports_throughput_efficiency_and_exposed_communication_per_thres
     # (AlexNet-BN's depends on it), counted by the workers.
     import numpy as np
     from tfscale import models
-    model = models.get("alexnet_bn", num_classes=1000, input_shape=(67, 67, 3), fc_units=16)
+    model = models.get("alexnet_bn_small", num_classes=1000, input_shape=(32, 32, 3),
+                       fc_units=16)
     floats = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
     assert {r["gradient_floats"] for r in (stock, lockstep, row, small)} == {floats}
     assert f"# gradients: {floats:,} trainable parameters = {4 * floats / 1e6:.1f} MB" in stdout
@@ -174,6 +176,8 @@ def test_train_reports_throughput_efficiency_and_exposed_communication_per_thres
 
 def test_train_under_auto_reports_each_all_reduces_trials_and_choice(tmp_path):
     # Nodes of 2 and 1: ring and hierarchical differ, 2d needs equal nodes.
+    # AlexNet-BN: 15 MB of gradients, several buckets at auto's smaller
+    # threshold, so its buckets can mix candidates.
     output = tmp_path / "train.json"
     stdout = bench(
         tmp_path, "train", "--num_workers=3", "--local_size=2", "--model=alexnet_bn",

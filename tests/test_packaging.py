@@ -64,6 +64,7 @@ def tensorflow_requirements(item):
     return found
 
 
+@pytest.mark.package_index
 def test_beside_keras_hub_one_tensorflow_is_installed_and_every_requirement_on_it_holds(
         tmp_path):
     """keras-hub needs tensorflow-text, which requires the `tensorflow` build

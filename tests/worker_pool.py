@@ -8,6 +8,14 @@ What a scenario saves is the start-up: interpreters, TensorFlow's import,
 the cluster's first connection. TensorFlow's distribute tests do the same
 (`MultiProcessPoolRunner`, tensorflow/python/distribute/multi_process_runner.py).
 
+The pools' workers are forked from one process per pytest process that
+imported tfscale's core once (`tfscale-launch --preload`'s preload process,
+launch/preload.py), as TensorFlow's runner starts its processes from a
+multiprocessing forkserver (`AbslForkServerContext`,
+tensorflow/python/distribute/multi_process_lib.py): a pool replaced, or
+started for another size, pays no import. Each worker talks to its pool over a Unix socket: requests
+in, one status line per scenario out.
+
 A scenario that fails, hangs past its timeout or leaves state behind ends
 its pool: the test sees every worker's output, and the next scenario of that
 size starts a new pool.
@@ -19,10 +27,12 @@ import os
 import select
 import shutil
 import signal
-import subprocess
+import socket
 import sys
 import tempfile
 import time
+
+from tfscale.launch import preload
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,9 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # size asked for beyond that ends the least recently used one.
 MAX_POOLS = 5
 # What the kept pools' workers may hold of their own (Private_Dirty in
-# /proc/PID/smaps_rollup, beside ~0.4 GB of TensorFlow's libraries that all
-# of them share). A worker holds ~0.4 GB after a small scenario, but one
-# that ran a large batch keeps its peak, 3-4 GB in a full run: its CPU
+# /proc/PID/smaps_rollup, beside TensorFlow's libraries and the heap of its
+# import, which all of them share with the preload process). A worker holds
+# ~10 MB after a small scenario, but one that ran a large batch keeps its
+# peak, 3-4 GB in a full run: its CPU
 # allocator is a BFC allocator (TF_CPU_ALLOCATOR_USE_BFC, conftest.py),
 # which keeps large blocks for reuse. Beyond this, the least
 # recently used pools end (or the one asked for, if it alone holds that
@@ -41,8 +52,25 @@ MAX_POOLS = 5
 # pytest-xdist each pytest process keeps pools of its own: they share it.
 MAX_POOLS_MEMORY_BYTES = (8 << 30) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
+# What the preload process imports: what a pool worker imports first.
+PRELOADED = ("tfscale.strategy",)
+# How long a new worker may take to connect to its pool.
+CONNECT_SECONDS = 120
+
 _pools = {}  # num_workers -> WorkerPool, least recently used first
+_preloaded = [None]  # the preload process the pools' workers are forked from
 _scenario_ids = itertools.count()
+
+
+def _preload_process(env):
+    """The preload process for workers of environment `env` (started anew
+    when it has ended or `env` differs from what it imported with)."""
+    current = _preloaded[0]
+    if current is None or not current.serves(PRELOADED, env):
+        if current is not None:
+            current.close()
+        _preloaded[0] = preload.PreloadProcess(PRELOADED, env)
+    return _preloaded[0]
 
 
 class WorkerPool:
@@ -53,21 +81,51 @@ class WorkerPool:
 
         self.num_workers = num_workers
         self.directory = tempfile.mkdtemp(prefix=f"tfscale-pool-{num_workers}-")
-        self.processes, self.logs, self._status = [], [], []
+        self.processes, self.logs = [], []
+        address = os.path.join(self.directory, "pool.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(num_workers)
+        preloaded = _preload_process(env)
         configs = cluster_tf_configs([("worker", i) for i in range(num_workers)])
-        for index, config in enumerate(configs):
-            read, write = os.pipe()
-            log_path = os.path.join(self.directory, f"worker-{index}.log")
-            with open(log_path, "wb") as log:
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "pool_worker.py"), str(write)],
-                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                    pass_fds=(write,), start_new_session=True, cwd=self.directory,
-                    env=dict(env, TF_CONFIG=config, TFSCALE_SLOT=str(index),
-                             TFSCALE_RESTART_COUNT="0")))
-            os.close(write)
-            self.logs.append(log_path)
-            self._status.append(os.fdopen(read, "r"))
+        try:
+            for index, config in enumerate(configs):
+                log_path = os.path.join(self.directory, f"worker-{index}.log")
+                with open(log_path, "wb") as log:
+                    self.processes.append(preloaded.start(
+                        ("script", os.path.join(HERE, "pool_worker.py"), [address]),
+                        dict(env, TF_CONFIG=config, TFSCALE_SLOT=str(index),
+                             TFSCALE_RESTART_COUNT="0"),
+                        output=log, cwd=self.directory))
+                self.logs.append(log_path)
+            self._channels = self._connect(listener)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+        self._status = [channel.makefile("r") for channel in self._channels]
+
+    def _connect(self, listener):
+        """Each worker's connection, by worker index (each names itself first)."""
+        channels = [None] * self.num_workers
+        deadline = time.monotonic() + CONNECT_SECONDS
+        listener.settimeout(1.0)
+        while None in channels:
+            try:
+                channel, _ = listener.accept()
+            except socket.timeout:
+                dead = [i for i, p in enumerate(self.processes) if p.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"worker pool of {self.num_workers}: workers {dead or 'all'} "
+                        f"did not start:\n{self._output([0] * self.num_workers)[-6000:]}")
+                continue
+            channel.settimeout(CONNECT_SECONDS)
+            index = int(channel.makefile("r").readline())
+            channel.settimeout(None)
+            channels[index] = channel
+        return channels
 
     def alive(self):
         return all(p.poll() is None for p in self.processes)
@@ -98,9 +156,8 @@ class WorkerPool:
         offsets = [os.path.getsize(path) for path in self.logs]
         request = json.dumps({"id": scenario, **target, "args": list(args),
                               "env": env, "cwd": str(cwd)}) + "\n"
-        for process in self.processes:
-            process.stdin.write(request.encode())
-            process.stdin.flush()
+        for channel in self._channels:
+            channel.sendall(request.encode())
         codes, why = self._wait(scenario, time.monotonic() + timeout, timeout)
         output = self._output(offsets)
         if why is not None:
@@ -144,9 +201,8 @@ class WorkerPool:
                 os.killpg(process.pid, signal.SIGKILL)
         for process in self.processes:
             process.wait()
-            process.stdin.close()
-        for pipe in self._status:
-            pipe.close()
+        for end in getattr(self, "_status", []) + getattr(self, "_channels", []):
+            end.close()
         shutil.rmtree(self.directory, ignore_errors=True)  # the tests have the output
         if _pools.get(self.num_workers) is self:
             del _pools[self.num_workers]
@@ -179,3 +235,6 @@ def kept():
 def close_all():
     for worker_pool in list(_pools.values()):
         worker_pool.close()
+    if _preloaded[0] is not None:
+        _preloaded[0].close()
+        _preloaded[0] = None

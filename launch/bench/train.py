@@ -77,11 +77,13 @@ LOSS_CHECK_STEPS = 2
 def define_flags():
     """Defines train's flags (and the cluster flags it shares with allreduce)."""
     cluster.define_flags()
-    flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn"], "Model to train.")
+    flags.DEFINE_enum("model", "resnet50", ["resnet50", "alexnet_bn", "alexnet_bn_small"],
+                      "Model to train (alexnet_bn_small: AlexNet-BN in miniature, "
+                      "a run of seconds to try the bench).")
     flags.DEFINE_integer("image_size", 64, "Side of the square synthetic images "
                          "(alexnet_bn needs >= 67).", lower_bound=32)
-    flags.DEFINE_integer("fc_units", 4096, "--model=alexnet_bn: fully connected "
-                         "width (4096 as published).", lower_bound=1)
+    flags.DEFINE_integer("fc_units", 4096, "--model=alexnet_bn or alexnet_bn_small: "
+                         "fully connected width (4096 as published).", lower_bound=1)
     flags.DEFINE_integer("per_worker_batch", 16, "Images per worker per step.",
                          lower_bound=1)
     flags.DEFINE_integer("steps", 5, "Timed steps per run.", lower_bound=1)

@@ -23,6 +23,8 @@ def build(spec):
     options = {}
     if spec["model"] == "alexnet_bn":
         options = {"fc_units": spec["fc_units"], "dropout": 0.0}
+    elif spec["model"] == "alexnet_bn_small":  # no dropout
+        options = {"fc_units": spec["fc_units"]}
     model = models.get(spec["model"], num_classes=1000, input_shape=(size, size, 3),
                        **options)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
