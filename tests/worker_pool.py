@@ -13,8 +13,8 @@ imported tfscale's core once (`tfscale-launch --preload`'s preload process,
 launch/preload.py), as TensorFlow's runner starts its processes from a
 multiprocessing forkserver (`AbslForkServerContext`,
 tensorflow/python/distribute/multi_process_lib.py): a pool replaced, or
-started for another size, pays no import. Each worker talks to its pool over a Unix socket: requests
-in, one status line per scenario out.
+started for another size, pays no import. Each worker talks to its pool
+over a Unix socket: requests in, one status line per scenario out.
 
 A scenario that fails, hangs past its timeout or leaves state behind ends
 its pool: the test sees every worker's output, and the next scenario of that
@@ -28,7 +28,6 @@ import select
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 
