@@ -3,8 +3,8 @@
 Forked once with its TF_CONFIG (tests/worker_pool.py), it runs worker
 scripts (tests/workers/*.py) one after another in this process, as
 TensorFlow's own `MultiProcessPoolRunner` runs test functions in long-lived
-workers (tensorflow/python/distribute/multi_process_runner.py). Each request is one
-JSON line: `{"id", "script" or "module", "args", "env", "cwd"}`.
+workers (tensorflow/python/distribute/multi_process_runner.py). Each request
+is one JSON line: `{"id", "script" or "module", "args", "env", "cwd"}`.
 The script (or module) runs as `__main__`, as `python script args...` (or
 `python -m module args...`) would run it; then this worker writes
 `{"id", "exit"}` as one line back. Requests come, and statuses go, over a
