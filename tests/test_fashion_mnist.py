@@ -112,6 +112,24 @@ def test_the_pipeline_keeps_28x28_as_stored_and_normalizes_as_the_export():
 
 
 @needs_fashion_mnist
+def test_num_examples_trains_on_the_first_examples_of_the_split_only():
+    raw, _ = source.arrays("train")
+    first = (raw[:100].astype(np.float32) - 72.94) / 90.02
+    # Two epochs of 100 examples in batches of 50: each a shuffled order of
+    # exactly the first 100.
+    batches = [x.numpy() for x, _ in data.fashion_mnist(
+        "train", 50, 28, num_examples=100).take(4)]
+    for epoch in range(2):
+        images = np.concatenate(batches[2 * epoch:2 * epoch + 2])
+        distances = np.abs(images[:, None] - first[None]).reshape(100, 100, -1).max(-1)
+        assert sorted(np.argmin(distances, axis=1)) == list(range(100))
+        assert np.all(distances.min(axis=1) < 1e-4)
+    with pytest.raises(ValueError, match="between 1 and the test split's "
+                                         "10000 examples. Received: num_examples=10001"):
+        data.fashion_mnist("test", 50, 28, num_examples=10001)
+
+
+@needs_fashion_mnist
 @pytest.mark.parametrize("num_workers", [2, 3])
 def test_workers_together_see_the_one_worker_global_batches(num_workers):
     global_batch = 7000  # 8 steps an epoch: step 9 is in the second epoch

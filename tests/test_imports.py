@@ -223,6 +223,8 @@ def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
     (["--lars_learning_rates=10,-1"],
      "--lars_learning_rates must be numbers > 0. Received: ['10', '-1']"),
     (["--warmup_epochs=8"], "--warmup_epochs must be shorter than --epochs"),
+    (["--rows=lars@8192", "--train_examples=8000"],
+     "--train_examples=8000 holds no whole batch of lars@8192"),
 ])
 def test_the_large_batch_study_refuses_bad_flags_without_tensorflow(args, said):
     """python -m tfscale.launch.studies.large_batch checks its flags, the

@@ -178,7 +178,7 @@ def digits(split, global_batch_size, image_size=None, *, training=None,
 
 def fashion_mnist(split, global_batch_size, image_size=None, *, data_dir=None,
                   training=None, input_context=None, seed=0, start_step=0,
-                  drop_remainder=True, start_example=0):
+                  drop_remainder=True, start_example=0, num_examples=None):
     """Fashion-MNIST (Xiao et al. 2017): 60,000 train / 10,000 test 28x28
     grey images of 10 kinds of clothing, read from its four IDX files.
 
@@ -190,9 +190,17 @@ def fashion_mnist(split, global_batch_size, image_size=None, *, data_dir=None,
     Args:
         image_size: model input side (default 67, for alexnet_bn); 28 keeps
             the images as stored.
+        num_examples: only the split's first N examples (default: all), e.g.
+            for a quick run.
         Others as in `digits`.
     """
     images, labels = fashion_mnist_source.arrays(split, data_dir)
+    if num_examples is not None:
+        if not 0 < num_examples <= len(labels):
+            raise ValueError(
+                f"`num_examples` must be between 1 and the {split} split's "
+                f"{len(labels)} examples. Received: num_examples={num_examples}")
+        images, labels = images[:num_examples], labels[:num_examples]
     return _batched(
         images, labels, SPECS["fashion_mnist"], split, global_batch_size,
         image_size, training, input_context, seed, start_step, drop_remainder,

@@ -11,7 +11,8 @@ classes; `tfscale.data.fashion_mnist`). One model, AlexNet-BN in miniature
 (`tfscale.models.alexnet_bn_small`, width 8, fc1 64 units: 52K parameters,
 BatchNorm after every conv block and after the last pool as in Jia et al.,
 biases in its dense layers) at the images' own 28x28. Every run trains for
-the same `--epochs` (an epoch: `60000 // batch` updates of one global batch)
+the same `--epochs` (an epoch: `60000 // batch` updates of one global batch;
+`--train_examples` trains on fewer images, for a quick check)
 with momentum 0.9 and L2 weight decay 5e-4 on the gradient (AlexNet-BN's
 values in `tfscale.recipes.RECIPES["alexnet_bn_lars_8k"]`), biases and
 BatchNorm excluded from the decay, and polynomial decay (power 2) to 0 after

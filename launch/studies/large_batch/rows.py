@@ -59,8 +59,9 @@ class Row:
 
     @property
     def steps_per_epoch(self):
-        """Updates per epoch at the first batch (whole batches only)."""
-        return NUM_TRAIN // self.first_batch
+        """Updates per epoch at the first batch (whole batches only) of
+        --train_examples."""
+        return FLAGS.train_examples // self.first_batch
 
     def learning_rates(self):
         """The grid: SGD rates scaled linearly from batch 128, LARS rates by
@@ -108,13 +109,16 @@ class Run:
     seed: int
     epochs: int
     float64: bool = False  # --float64: a float32 row computed in float64
+    train_examples: int = NUM_TRAIN  # --train_examples: the first N images
 
     @property
     def key(self):
-        """What identifies the run on disk: a rerun with other epochs is
-        another run."""
+        """What identifies the run on disk: a rerun with other epochs or
+        other training images is another run."""
         return (f"{self.row.id}|lr={self.learning_rate:g}|seed={self.seed}"
-                f"|epochs={self.epochs}" + ("|float64" if self.float64 else ""))
+                f"|epochs={self.epochs}" + ("|float64" if self.float64 else "")
+                + ("" if self.train_examples == NUM_TRAIN
+                   else f"|train_examples={self.train_examples}"))
 
     @property
     def policy(self):
@@ -158,5 +162,5 @@ def runs(rows):
         for learning_rate in rates:
             for seed in range(1 if FLAGS.quick else FLAGS.seeds):
                 result.append(Run(row, learning_rate, seed, FLAGS.epochs,
-                                  FLAGS.float64))
+                                  FLAGS.float64, FLAGS.train_examples))
     return result

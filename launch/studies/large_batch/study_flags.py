@@ -63,6 +63,12 @@ def define_flags():
                       "to tell float32's rounding from a real difference "
                       "between 1 and N workers (docs/large_batch.md, \"On 2 "
                       "workers\").")
+    flags.DEFINE_integer("train_examples", rows.NUM_TRAIN,
+                         "Train on the first N images of the training split "
+                         "(an epoch: N // batch updates); fewer for a quick "
+                         "check, such as 1 against N workers. Test accuracy "
+                         "is always on all 10,000 test images.",
+                         lower_bound=1, upper_bound=rows.NUM_TRAIN)
     flags.DEFINE_bool("report_only", False,
                       "Train nothing: report the runs on disk.")
 
@@ -97,6 +103,12 @@ def check_flags():
         raise app.UsageError(
             "--float64 computes float32 rows in float64; --rows must not name "
             f"rows of other precisions. Received: {', '.join(other)}")
+    short = [row.id for row in rows.selected_rows()
+             if row.steps_per_epoch == 0]
+    if short:
+        raise app.UsageError(
+            f"--train_examples={FLAGS.train_examples} holds no whole batch of "
+            f"{', '.join(short)}: give at least the first batch of each row.")
     if any(row.method == "batch_growth" for row in rows.selected_rows()):
         check_growth()
     # Every row's settings, checked by Settings itself.

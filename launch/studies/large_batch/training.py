@@ -95,7 +95,8 @@ def train(run, strategy):
             return data.fashion_mnist(
                 "train", phase.global_batch_size, IMAGE_SIZE,
                 input_context=input_context, seed=run.seed,
-                start_example=phase.first_example, start_step=part.data_step)
+                start_example=phase.first_example, start_step=part.data_step,
+                num_examples=run.train_examples)
 
         model.fit(strategy.distribute_datasets_from_function(dataset),
                   initial_epoch=part.initial_epoch, epochs=part.epochs,
@@ -105,7 +106,8 @@ def train(run, strategy):
         key=run.key, row=row.id, method=row.method, batch=row.batch,
         precision=run.policy, learning_rate=run.learning_rate,
         peak_learning_rate=settings.peak_learning_rate(row.first_batch),
-        seed=run.seed, epochs=run.epochs, accuracy=accuracy,
+        seed=run.seed, epochs=run.epochs, train_examples=run.train_examples,
+        accuracy=accuracy,
         final_accuracy=accuracy[-1], updates=int(optimizer.iterations.numpy()),
         seconds=round(time.perf_counter() - start, 1),
         workers=strategy.num_replicas_in_sync)
