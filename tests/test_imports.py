@@ -225,6 +225,9 @@ def test_tfscale_train_answers_help_and_refuses_bad_flags_without_tensorflow(
     (["--warmup_epochs=8"], "--warmup_epochs must be shorter than --epochs"),
     (["--rows=lars@8192", "--train_examples=8000"],
      "--train_examples=8000 holds no whole batch of lars@8192"),
+    # Batch growth reaches 16384: its first batch, 1024, is not enough.
+    (["--rows=batch_growth@16384", "--train_examples=8192"],
+     "--train_examples=8192 holds no whole batch of batch_growth@16384"),
 ])
 def test_the_large_batch_study_refuses_bad_flags_without_tensorflow(args, said):
     """python -m tfscale.launch.studies.large_batch checks its flags, the

@@ -103,12 +103,13 @@ def check_flags():
         raise app.UsageError(
             "--float64 computes float32 rows in float64; --rows must not name "
             f"rows of other precisions. Received: {', '.join(other)}")
+    # row.batch: the largest batch a row trains with (batch_growth's grown one).
     short = [row.id for row in rows.selected_rows()
-             if row.steps_per_epoch == 0]
+             if FLAGS.train_examples < row.batch]
     if short:
         raise app.UsageError(
             f"--train_examples={FLAGS.train_examples} holds no whole batch of "
-            f"{', '.join(short)}: give at least the first batch of each row.")
+            f"{', '.join(short)}: give at least the largest batch of each row.")
     if any(row.method == "batch_growth" for row in rows.selected_rows()):
         check_growth()
     # Every row's settings, checked by Settings itself.
