@@ -9,7 +9,9 @@ while working. Unmarked tests that start such a process fail, naming the mark,
 so the fast tier stays fast and the marks stay true.
 """
 
+import collections
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +34,28 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 # Commands that start a worker process (the first word's basename).
 _WORKER_COMMANDS = ("python", "tfscale-train", "tfscale-launch", "tfscale-bench")
 
+# Each module's seconds in README's test command (setup, call and teardown
+# of its tests), which `--store-durations` rewrites: what the two pytest
+# processes are handed first, as pytest-split keeps `.test_durations`.
+DURATIONS = os.environ.get("TFSCALE_TEST_DURATIONS",
+                           os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "durations.json"))
+# A module not in DURATIONS yet: one that starts workers is handed out early.
+_UNMEASURED_SECONDS = {True: 60.0, False: 0.0}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-durations", action="store_true",
+        help=f"write each test module's seconds to {DURATIONS}, which "
+             "orders the modules under pytest-xdist (longest first)")
+
 
 def pytest_configure(config):
+    # pytest-xdist's own order for --dist loadfile (most tests first) would
+    # replace the one below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "multiworker: starts worker processes (a Python interpreter, "
         "tfscale-train, tfscale-launch, tfscale-bench); deselect with "
@@ -43,18 +65,49 @@ def pytest_configure(config):
         "mostly waiting on the network: handed out first under pytest-xdist")
 
 
+def _module(nodeid):
+    return nodeid.split("::")[0]
+
+
+def _measured_seconds():
+    try:
+        with open(DURATIONS) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadfile`, README's test command),
-    the modules that wait on the package index go first, then those that
-    start workers: xdist hands out whole modules (`--dist loadfile`) in this
-    order, so the other process computes while one waits, the long ones
-    start early and the fast-tier modules, seconds each, fill in at the end
-    instead of one long module running alone on a machine that is otherwise
-    done."""
+    the modules that wait on the package index go first, then the rest,
+    longest first by DURATIONS: xdist hands out whole modules (`--dist
+    loadfile`) in this order, so the other process computes while one waits,
+    and the fast-tier modules, seconds each, fill in at the end instead of
+    one long module running alone on a machine that is otherwise done (the
+    longest-processing-time-first rule for scheduling on parallel
+    machines: Graham 1969, "Bounds on multiprocessing timing anomalies")."""
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: any order
         return
-    items.sort(key=lambda item: (item.get_closest_marker("package_index") is None,
-                                 item.get_closest_marker("multiworker") is None))
+    measured = _measured_seconds()
+    waits, seconds = set(), collections.Counter()
+    for item in items:
+        module = _module(item.nodeid)
+        if item.get_closest_marker("package_index") is not None:
+            waits.add(module)
+        if module not in measured:
+            starts_workers = item.get_closest_marker("multiworker") is not None
+            seconds[module] = max(seconds[module], _UNMEASURED_SECONDS[starts_workers])
+        else:
+            seconds[module] = measured[module]
+    items.sort(key=lambda item: (_module(item.nodeid) not in waits,
+                                 -seconds[_module(item.nodeid)]))
+
+
+_durations = collections.Counter()  # module -> seconds, for --store-durations
+
+
+def pytest_runtest_logreport(report):
+    _durations[_module(report.nodeid)] += report.duration
 
 
 def _starts_a_worker(args):
@@ -125,7 +178,18 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Ends the reused worker pools (tests/worker_pool.py)."""
+    """Ends the reused worker pools (tests/worker_pool.py); with
+    --store-durations, writes each module's seconds (in pytest-xdist's
+    controller, which hears every test's report)."""
     import worker_pool
 
     worker_pool.close_all()
+    config = session.config
+    if config.getoption("store_durations") and not hasattr(config, "workerinput"):
+        seconds = dict(_measured_seconds(), **{
+            module: round(total, 1) for module, total in _durations.items()})
+        partial = f"{DURATIONS}.partial"
+        with open(partial, "w") as f:
+            json.dump(dict(sorted(seconds.items())), f, indent=1)
+            f.write("\n")
+        os.replace(partial, DURATIONS)

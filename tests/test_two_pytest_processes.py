@@ -1,9 +1,10 @@
 """README's test command runs the suite in two pytest processes
 (pytest-xdist, `-n 2 --dist loadfile`): the one that waits on the package
-index, then the modules that start workers, are handed out first
-(tests/conftest.py), and the two processes' worker pools share one memory
-budget (tests/worker_pool.py)."""
+index is handed out first, then the others, longest first by
+tests/durations.json (tests/conftest.py), and the two processes' worker
+pools share one memory budget (tests/worker_pool.py)."""
 
+import json
 import os
 import re
 import subprocess
@@ -23,11 +24,12 @@ def environment(**extra):
     return dict(env, PYTHONPATH=TESTS, **extra)
 
 
-def run_pytest(tmp_path, *args):
+def run_pytest(tmp_path, durations, *args):
     process = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-v",
-         *args, "test_fast.py", "test_workers.py", "test_index.py"],
-        cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
+         *args, "test_fast.py", "test_workers.py", "test_long.py", "test_index.py"],
+        cwd=tmp_path, env=environment(TFSCALE_TEST_DURATIONS=str(durations)),
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:]
     # "test_fast.py::test_fast PASSED", or under xdist "[gw0] ... PASSED test_fast.py::test_fast"
@@ -35,20 +37,59 @@ def run_pytest(tmp_path, *args):
             for match in [re.search(r"::(test_\w+)", line)] if match]
 
 
-def test_under_xdist_the_package_index_then_the_modules_that_start_workers_run_first(
-        tmp_path):
-    (tmp_path / "test_fast.py").write_text("def test_fast():\n    pass\n")
-    (tmp_path / "test_workers.py").write_text(
-        "import pytest\npytestmark = pytest.mark.multiworker\n\n"
-        "def test_workers():\n    pass\n")
+def write_modules(tmp_path):
+    # test_fast.py has the most tests, which pytest-xdist's own order
+    # (--loadscope-reorder) would hand out first.
+    (tmp_path / "test_fast.py").write_text(
+        "def test_fast():\n    pass\n\ndef test_fast_too():\n    pass\n\n"
+        "def test_fast_also():\n    pass\n")
+    for name in ("workers", "long"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import pytest\npytestmark = pytest.mark.multiworker\n\n"
+            f"def test_{name}():\n    pass\n")
     (tmp_path / "test_index.py").write_text(
         "import pytest\n\n@pytest.mark.package_index\n"
         "def test_index():\n    pass\n")
+
+
+FAST = ["test_fast", "test_fast_too", "test_fast_also"]
+
+
+def test_under_xdist_the_package_index_then_the_longest_modules_run_first(tmp_path):
+    write_modules(tmp_path)
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({"test_workers.py": 30.0, "test_long.py": 90.0,
+                                     "test_fast.py": 0.5, "test_index.py": 20.0}))
     # One process: the order as collected.
-    assert run_pytest(tmp_path) == ["test_fast", "test_workers", "test_index"]
+    assert run_pytest(tmp_path, durations) == [
+        *FAST, "test_workers", "test_long", "test_index"]
     # One xdist process takes the modules in the order they are handed out.
-    assert run_pytest(tmp_path, "-n", "1", "--dist", "loadfile") == [
-        "test_index", "test_workers", "test_fast"]
+    assert run_pytest(tmp_path, durations, "-n", "1", "--dist", "loadfile") == [
+        "test_index", "test_long", "test_workers", *FAST]
+
+
+def test_modules_not_measured_yet_that_start_workers_go_before_the_fast_ones(tmp_path):
+    write_modules(tmp_path)
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({"test_fast.py": 0.5}))
+    assert run_pytest(tmp_path, durations, "-n", "1", "--dist", "loadfile") == [
+        "test_index", "test_workers", "test_long", *FAST]
+
+
+def test_store_durations_writes_each_modules_seconds_and_keeps_the_others(tmp_path):
+    write_modules(tmp_path)
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(0.5)\n")
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({"test_gone.py": 7.0}))
+    run_pytest(tmp_path, durations, "-n", "1", "--dist", "loadfile", "--store-durations",
+               "test_slow.py")
+    seconds = json.loads(durations.read_text())
+    assert seconds.keys() == {"test_gone.py", "test_fast.py", "test_workers.py",
+                              "test_long.py", "test_index.py", "test_slow.py"}
+    assert seconds["test_gone.py"] == 7.0
+    assert 0.5 <= seconds["test_slow.py"] < 60
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_the_pytest_processes_share_the_pools_memory_budget():

@@ -12,8 +12,11 @@ scaling) on one repeated random batch; rounds alternate between the
 precisions so that drifting load on a shared machine hits all of them. The
 first --warmup_steps of each run (graph building, first-step allocation) are
 not timed. Prints the median step time and images/s per precision and the
-speed-up over the first precision. Each run is a process of its own: op
-determinism, once enabled, stays on for the process.
+speed-up over the first precision. Each run is a process of its own (op
+determinism, once enabled, stays on for the process), forked from this one,
+which has imported TensorFlow but started none of its runtime: each child
+starts its own, as tfscale-launch --preload's workers do (launch/preload.py),
+without importing TensorFlow again.
 
     python -m tfscale.launch.studies.precision_speed --model=alexnet_bn --image_size=67 \
         --fc_units=64 --num_classes=10 --batch_size=64 --steps=4 \
@@ -34,8 +37,8 @@ commands above print on the benchmark machine: BENCHMARKS.md, section
 import json
 import os
 import statistics
-import subprocess
 import sys
+import traceback
 
 import keras
 import tensorflow as tf
@@ -67,9 +70,6 @@ def define_flags():
     flags.DEFINE_integer("num_classes", 1000, "Output classes.")
     flags.DEFINE_bool("deterministic_too", False,
                       "Also time each precision with op determinism on.")
-    flags.DEFINE_string("time_one_run", None,
-                        "Internal: time one run of PRECISION[,deterministic] "
-                        "in this process and print its step times as JSON.")
 
 
 def time_steps(precision):
@@ -104,25 +104,40 @@ _DETERMINISTIC = ",deterministic"
 
 
 def time_one_run(run):
-    """The child's side: times `run` ("PRECISION[,deterministic]")."""
+    """Step times of `run` ("PRECISION[,deterministic]") in this process."""
     precision = run.removesuffix(_DETERMINISTIC)
     if run.endswith(_DETERMINISTIC):
         tf.config.experimental.enable_op_determinism()
-    print("STEP_SECONDS " + json.dumps(time_steps(precision)), flush=True)
+    return time_steps(precision)
 
 
 def time_in_a_process(run):
-    """Step times of `run` timed by a child process with these flags."""
-    argv = [a for a in sys.argv[1:] if not a.startswith(
-        ("--deterministic_too", "--nodeterministic_too", "--time_one_run"))]
-    command = [sys.executable, "-m", __spec__.name, *argv,
-               f"--time_one_run={run}"]
-    child = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-    if child.returncode != 0:
-        sys.exit(f"precision_speed: the run of {run} failed (exit "
-                 f"{child.returncode}); its output is above")
-    line = [l for l in child.stdout.splitlines() if l.startswith("STEP_SECONDS ")]
-    return json.loads(line[-1].split(" ", 1)[1])
+    """Step times of `run`, timed by a child forked from this process."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return
+        os.close(read)
+        code = 1
+        try:
+            with os.fdopen(write, "w") as report:
+                report.write(json.dumps(time_one_run(run)))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as report:
+        step_seconds = report.read()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"precision_speed: the run of {run} failed (exit {code}); "
+                 "its output is above")
+    return json.loads(step_seconds)
 
 
 def main(argv):
@@ -133,9 +148,6 @@ def main(argv):
         raise app.UsageError(
             f"--precisions must name some of {', '.join(recipes.PRECISIONS)}."
             f" Received: precisions={FLAGS.precisions!r}")
-    if FLAGS.time_one_run:
-        time_one_run(FLAGS.time_one_run)
-        return
     runs = [variant for precision in FLAGS.precisions for variant in (
         (precision, precision + _DETERMINISTIC) if FLAGS.deterministic_too
         else (precision,))]
