@@ -20,6 +20,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cpu_seconds  # noqa: E402  (beside this file)
+
 # TensorFlow's CPU allocator as a BFC allocator (TF_CPU_ALLOCATOR_USE_BFC,
 # tensorflow/core/common_runtime/process_state.cc), here and in every worker
 # the tests start, which inherit this environment. It keeps freed blocks for
@@ -49,6 +51,11 @@ def pytest_addoption(parser):
         "--store-durations", action="store_true",
         help=f"write each test module's seconds to {DURATIONS}, which "
              "orders the modules under pytest-xdist (longest first)")
+    parser.addoption(
+        "--cpu-durations", type=int, metavar="N", default=None,
+        help="show the N tests that used the most CPU-seconds, counting every "
+             "process they started or ran scenarios in (tests/cpu_seconds.py; "
+             "N=0 for all)")
 
 
 def pytest_configure(config):
@@ -104,10 +111,45 @@ def pytest_collection_modifyitems(config, items):
 
 
 _durations = collections.Counter()  # module -> seconds, for --store-durations
+_cpu_seconds = {}  # nodeid -> CPU-seconds, for --cpu-durations
+_cpu_started = {}  # nodeid -> cpu_seconds.process_tree() at its setup
 
 
 def pytest_runtest_logreport(report):
     _durations[_module(report.nodeid)] += report.duration
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            _cpu_seconds[report.nodeid] = value
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("cpu_durations") is not None:
+        _cpu_started[item.nodeid] = cpu_seconds.process_tree()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    started = _cpu_started.get(item.nodeid)
+    if report.when == "teardown" and started is not None:
+        # In the teardown's report, which pytest-xdist sends to its controller.
+        del _cpu_started[item.nodeid]
+        report.user_properties.append(
+            ("cpu_seconds", round(cpu_seconds.process_tree() - started, 2)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    shown = config.getoption("cpu_durations")
+    if shown is None or hasattr(config, "workerinput"):
+        return
+    ranked = sorted(_cpu_seconds.items(), key=lambda item: -item[1])
+    terminalreporter.write_sep(
+        "=", f"most CPU-seconds: {'all' if not shown else shown} of "
+             f"{len(ranked)} tests, {sum(_cpu_seconds.values()):,.0f} in all")
+    for nodeid, seconds in ranked[:shown or None]:
+        terminalreporter.write_line(f"{seconds:8.2f}s  {nodeid}")
 
 
 def _starts_a_worker(args):

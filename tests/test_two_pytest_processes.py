@@ -101,3 +101,28 @@ def test_the_pytest_processes_share_the_pools_memory_budget():
 
     alone = budget()
     assert budget(PYTEST_XDIST_WORKER_COUNT="2") == alone // 2
+
+
+def test_cpu_durations_count_the_processes_a_test_starts_and_not_its_waits(tmp_path):
+    # A test whose child computes for about a second, and one that sleeps.
+    (tmp_path / "test_cpu.py").write_text(
+        "import subprocess, sys, time\nimport pytest\n"
+        "pytestmark = pytest.mark.multiworker\n\n"
+        "def test_child_computes():\n"
+        "    subprocess.run([sys.executable, '-c', 'import time\\n"
+        "end = time.process_time() + 1\\nwhile time.process_time() < end: pass'],"
+        " check=True)\n\n"
+        "def test_sleeps():\n    time.sleep(1)\n")
+    process = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-q",
+         "-n", "1", "--cpu-durations=0", "test_cpu.py"],
+        cwd=tmp_path, env=environment(TFSCALE_TEST_DURATIONS=str(tmp_path / "d.json")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:]
+    seconds = dict((line.split()[1], float(line.split()[0].rstrip("s")))
+                   for line in process.stdout.splitlines()
+                   if re.match(r" *\d+\.\d\ds  test_cpu\.py::", line))
+    assert seconds.keys() == {"test_cpu.py::test_child_computes", "test_cpu.py::test_sleeps"}
+    assert seconds["test_cpu.py::test_child_computes"] >= 0.9, process.stdout[-2000:]
+    assert seconds["test_cpu.py::test_sleeps"] < 0.5, process.stdout[-2000:]
+    assert "most CPU-seconds: all of 2 tests" in process.stdout
