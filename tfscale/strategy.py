@@ -34,6 +34,7 @@ from tfscale import agreement
 from tfscale._private import accessors
 from tfscale._private import graph_order
 from tfscale._private import hooks
+from tfscale._private import host_input
 from tfscale._private import keras_hooks
 from tfscale._private import tf_collectives
 from tfscale import collectives
@@ -445,6 +446,15 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
                 preemption=self._preemption)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """`tf.distribute.Strategy.experimental_distribute_dataset`; without
+        `options`, a CPU worker reads its batches with a plain iterator
+        instead of prefetching them to the device it runs on, its host
+        (`tfscale._private.host_input`)."""
+        if options is None and self._on_cpu:
+            return host_input.distribute_dataset(self, dataset)
+        return super().experimental_distribute_dataset(dataset, options=options)
+
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """`tf.distribute.Strategy.distribute_datasets_from_function`, with
         the workers agreeing on how many batches there are.
@@ -454,10 +464,14 @@ class Strategy(KerasMultiWorkerMirroredStrategy):
         pipelines differ in length issue different collectives and fail.
         The workers agree on the longest (one all-gather, here); those that
         run out first get empty batches until the last one is done
-        (`tfscale.uneven_data`).
+        (`tfscale.uneven_data`). Without `options`, a CPU worker reads its
+        batches as in `experimental_distribute_dataset`.
         """
-        distributed = super().distribute_datasets_from_function(
-            dataset_fn, options=options)
+        if options is None and self._on_cpu:
+            distributed = host_input.distribute_datasets_from_function(self, dataset_fn)
+        else:
+            distributed = super().distribute_datasets_from_function(
+                dataset_fn, options=options)
         if self.num_workers > 1:
             mine = accessors.cardinality(distributed)
             everyone = agreement.gather(self, np.array([mine], np.int64))

@@ -1,12 +1,13 @@
 """Every private TensorFlow/Keras API that tfscale uses, and nothing else.
 
 The bottom layer of tfscale: it imports nothing of tfscale; what it needs
-(key ranges, reducers, predicates) is passed in. Four modules use them:
+(key ranges, reducers, predicates) is passed in. Five modules use them:
 `tf_collectives` (TensorFlow's collectives and MWMS's all-reduce),
 `keras_hooks` (Keras's methods routed), `accessors` (state with no public
 accessor), `graph_order` (how `tf.function` traces tfscale's code: not
-converted by autograph, its timestamps and bookkeeping ops placed). A
-fifth, `hooks`, checks that each of their private uses is where they
+converted by autograph, its timestamps and bookkeeping ops placed),
+`host_input` (distributed datasets a CPU worker reads on its host). A
+sixth, `hooks`, checks that each of their private uses is where they
 expect it.
 
 TensorFlow exports no hook for replacing how MultiWorkerMirroredStrategy
@@ -132,6 +133,16 @@ once on an untested version where all of them fit:
   workers (`tfscale.uneven_data.agreed_cardinality`).
   tests/test_uneven_data.py, the `ran_out` scenario (workers whose pipelines
   hold 2, 3 and 4 batches).
+- `input_util.get_distributed_dataset` and
+  `get_distributed_datasets_from_function`, with MWMS's
+  `_input_workers_with_options` and `_make_input_context`
+  (`host_input`): without the user's `InputOptions`, a CPU worker's
+  distributed datasets are built as MWMS builds them, with the options
+  under which TensorFlow reads them with a plain iterator on the host
+  (`input_lib._should_use_multi_device_iterator`) instead of tracing a
+  MultiDeviceIterator for every iterator made. `DistributedIterator`'s
+  `_iterators` and their `_iterator` tell which (`reads_on_host`).
+  tests/test_host_input.py.
 - `TensorFlowTrainer._maybe_symbolic_build` (`route_symbolic_build`): Keras
   builds the model from the first batch MEAN-reduced over the workers, which
   fails when their batches differ in size (a global batch 3 workers cannot

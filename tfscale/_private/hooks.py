@@ -67,6 +67,8 @@ _MWMS = "tensorflow.python.distribute.collective_all_reduce_strategy"
 _CONTEXT = "tensorflow.python.eager.context"
 _COLLECTIVE_OPS = "tensorflow.python.ops.collective_ops"
 _ACD = "tensorflow.python.framework.auto_control_deps"
+_INPUT_LIB = "tensorflow.python.distribute.input_lib"
+_INPUT_UTIL = "tensorflow.python.distribute.input_util"
 
 # Each private use, by the module of tfscale._private that makes it (see the
 # package's docstring for what each is for and the test that proves it).
@@ -115,9 +117,23 @@ HOOKS = (
     Hook("tensorflow.python.framework.config", "is_op_determinism_enabled", ()),
     Hook("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext",
          ("graph",)),
-    Hook("tensorflow.python.distribute.input_lib",
-         "DistributedDatasetsFromFunction.__init__",
+    Hook(_INPUT_LIB, "DistributedDatasetsFromFunction.__init__",
          uses=("_cardinality", "_enable_get_next_as_optional")),
+    # host_input
+    Hook(_INPUT_UTIL, "get_distributed_dataset",
+         ("dataset", "input_workers", "strategy", "num_replicas_in_sync", "input_context",
+          "options", "build", "replica_order")),
+    Hook(_INPUT_UTIL, "get_distributed_datasets_from_function",
+         ("dataset_fn", "input_workers", "input_contexts", "strategy", "options", "build",
+          "replica_order")),
+    Hook(_MWMS, "CollectiveAllReduceExtended._input_workers_with_options",
+         ("self", "options")),
+    Hook(_MWMS, "CollectiveAllReduceExtended._make_input_context", ("self",)),
+    Hook(_INPUT_LIB, "_should_use_multi_device_iterator", ("options",),
+         uses=("PER_REPLICA", "experimental_fetch_to_device")),
+    Hook(_INPUT_LIB, "DistributedIterator.__init__", uses=("_iterators",)),
+    Hook(_INPUT_LIB, "_SingleWorkerOwnedDatasetIterator._make_iterator",
+         ("self",), uses=("_iterator",)),
     # graph_order
     Hook("tensorflow.python.autograph.core.config", "CONVERSION_RULES"),
     Hook("tensorflow.python.autograph.core.config_lib", "DoNotConvert.__init__",
