@@ -7,14 +7,19 @@ what the test checks as JSON with `report(...)` (tests/workers/report.py).
 """
 
 import dataclasses
+import io
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import worker_pool
+from tfscale.launch import preload
 from tfscale.launch import threads
 
 WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
@@ -62,8 +67,7 @@ def run_module(module, num_workers, tmp_path, args=(), timeout=300):
 
 
 def _run_in_pool(target, num_workers, tmp_path, args, timeout, env, results_dir):
-    base = worker_env(tmp_path, threads.worker_environment(num_workers))
-    base.pop("TFSCALE_TEST_RESULTS")
+    base = dict(_import_env(), **threads.worker_environment(num_workers))
     codes, output, why = worker_pool.pool(num_workers, base).run(
         target, args, tmp_path, env, timeout)
     if why is not None:
@@ -134,8 +138,130 @@ def worker_env(tmp_path, extra=None):
         p for p in (REPO_ROOT, WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
     )
     env.pop("TF_CONFIG", None)
+    # pytest's name for the test phase under way: a worker is no test, and a
+    # preload process serves only workers of the environment it started in
+    # (tests/worker_pool.py).
+    env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra or {})
     return env
+
+
+# Read by a test's worker only once it runs (tests/workers/report.py), so
+# it may differ from the preload process's (tests/worker_pool.py).
+_RUN_TIME = ("TFSCALE_TEST_RESULTS",)
+
+
+def _import_env():
+    """The environment the pools' workers import TensorFlow with: a worker's
+    (`worker_env`) less what is read only at run time."""
+    env = worker_env("")
+    for name in _RUN_TIME:
+        env.pop(name)
+    return env
+
+
+def popen(command, cwd, env, stdout, run_time=()):
+    """Starts `command` (tfscale-train, `python SCRIPT`, `python -m MODULE`)
+    as a process of the test's own, as `subprocess.Popen(command, cwd=cwd,
+    env=env, stdout=stdout, stderr=subprocess.STDOUT,
+    start_new_session=True)` would, but forked from the process that
+    imported tfscale's core for the pools (tests/worker_pool.py), as
+    TensorFlow's tests start every process from one forkserver
+    (tensorflow/python/distribute/multi_process_lib.py): its
+    environment, working directory, argv, sys.path[0] and session are a
+    fresh one's, its import is not (tests that are about that start theirs
+    with `subprocess`). Killed, stopped or failing, it is nobody else's.
+
+    `env`: `worker_env`'s, and beside it only `run_time`, variables the
+    process reads once it runs (not at TensorFlow's import). `stdout`:
+    `subprocess.PIPE` (then `.stdout` gives its output as text),
+    `subprocess.DEVNULL` or an open file. Returns a `Forked`.
+    """
+    target = preload.python_target(command)
+    if target is None:
+        raise ValueError(f"popen forks Python processes; {command[0]!r} is not one")
+    import_env = {k: v for k, v in env.items() if k not in (*_RUN_TIME, *run_time)}
+    expected = _import_env()
+    differs = sorted(k for k in set(import_env) | set(expected)
+                     if k not in preload.PER_WORKER and import_env.get(k) != expected.get(k))
+    if differs:
+        raise ValueError(
+            f"popen: {differs} differ from the pools' environment at import; pass "
+            "`run_time=` for variables read only at run time, or start the "
+            "process with subprocess where its import is the point")
+    devnull = None
+    if stdout == subprocess.DEVNULL:
+        stdout = devnull = open(os.devnull, "wb")
+    try:
+        worker = worker_pool.fork(target, env, import_env, cwd=str(cwd),
+                                  output=None if stdout == subprocess.PIPE else stdout)
+    finally:
+        if devnull is not None:
+            devnull.close()
+    return Forked(worker, command)
+
+
+def run(command, cwd, env, timeout, run_time=()):
+    """`popen`, then waits: as `subprocess.run(command, cwd=cwd, env=env,
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    timeout=timeout)` would; the process is killed on timeout."""
+    process = popen(command, cwd, env, subprocess.PIPE, run_time)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+class Forked:
+    """A process started by `popen`: the part of `subprocess.Popen`'s
+    interface the tests use."""
+
+    def __init__(self, worker, args):
+        self._worker = worker
+        self.args = args
+        self.pid = worker.pid
+        self.stdout = (None if worker.stdout is None
+                       else io.TextIOWrapper(worker.stdout, errors="replace"))
+
+    @property
+    def returncode(self):
+        return self._worker.returncode
+
+    def poll(self):
+        return self._worker.poll()
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(its whole output, None) once it has exited."""
+        output = []
+        reader = threading.Thread(target=lambda: output.append(self.stdout.read()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait()
+        return output[0], None
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def cluster_tf_configs(tasks):
@@ -157,14 +283,17 @@ def cluster_tf_configs(tasks):
             for job, index in tasks]
 
 
-def start_process(command, tmp_path, log_name, tf_config, extra_env=None):
-    """Starts `command` with `tf_config`, its output to tmp_path/log_name."""
-    log = open(tmp_path / log_name, "w")
-    return subprocess.Popen(
-        command, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,
-        env=worker_env(tmp_path, dict(extra_env or {}, TF_CONFIG=tf_config)),
-        start_new_session=True,
-    )
+def start_process(command, tmp_path, log_name, tf_config, extra_env=None, fresh=False):
+    """Starts `command` with `tf_config`, its output to tmp_path/log_name:
+    forked (`popen`; `extra_env` is read at run time), or with `fresh` a new
+    interpreter, where what it starts with is the point."""
+    env = worker_env(tmp_path, dict(extra_env or {}, TF_CONFIG=tf_config))
+    with open(tmp_path / log_name, "w") as log:
+        if not fresh:
+            return popen(command, tmp_path, env, log, run_time=tuple(extra_env or ()))
+        return subprocess.Popen(command, cwd=str(tmp_path), stdout=log,
+                                stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
 
 
 def start_cluster(commands, tmp_path, extra_env=None, tasks=None):
@@ -172,8 +301,8 @@ def start_cluster(commands, tmp_path, extra_env=None, tasks=None):
     launcher (so nothing stops the others when one fails).
 
     `tasks`: see `cluster_tf_configs`; default: workers 0..N-1, as
-    tfscale-launch configures them. Returns the Popen objects; each one's
-    output goes to tmp_path/worker-I.log (I: the command's position).
+    tfscale-launch configures them. Returns the processes (`popen`'s); each
+    one's output goes to tmp_path/worker-I.log (I: the command's position).
     """
     tasks = tasks or [("worker", index) for index in range(len(commands))]
     configs = cluster_tf_configs(tasks)

@@ -13,8 +13,6 @@ k micro-batches of b per worker against one batch of k*b (2 workers), and
 N workers against 1 at the same global batch with each clipping argument.
 """
 
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -141,11 +139,7 @@ def test_clipping_on_two_workers_means_what_it_means_on_one(tmp_path):
 
 
 def _train(args, cwd, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        p for p in (multiworker.REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop("TF_CONFIG", None)
-    return subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return multiworker.run(args, cwd, multiworker.worker_env(cwd), timeout)
 
 
 @pytest.mark.multiworker

@@ -9,8 +9,6 @@ never interrupted.
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import keras
@@ -212,12 +210,8 @@ def test_settings_normalize_the_schedule_and_refuse_what_cannot_combine():
 
 
 def _train(args, cwd, timeout=240):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        p for p in (multiworker.REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "tfscale.launch.train", *args],
-                          cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return multiworker.run([sys.executable, "-m", "tfscale.launch.train", *args], cwd,
+                           multiworker.worker_env(cwd), timeout)
 
 
 @pytest.mark.multiworker

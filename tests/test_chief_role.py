@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+import multiworker
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -37,9 +38,8 @@ def cluster_run(tmp_path_factory):
         cwd = tmp / f"{job}-{index}"
         cwd.mkdir()
         config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
-        processes.append((cwd, subprocess.Popen(
-            TRAIN, cwd=cwd, env=worker_env(cwd, {"TF_CONFIG": config}),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        processes.append((cwd, multiworker.popen(
+            TRAIN, cwd, worker_env(cwd, {"TF_CONFIG": config}), subprocess.PIPE)))
     outputs = {}
     try:
         for (job, index), (cwd, process) in zip(TASKS, processes, strict=True):

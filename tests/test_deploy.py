@@ -25,12 +25,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 import yaml
 
+import multiworker
 from tfscale.launch import ports
 from multiworker import REPO_ROOT
 from multiworker import start_process
@@ -339,11 +339,11 @@ def test_slurm_command_trains_on_two_tasks_of_one_node(tmp_path):
     processes = {}
     for rank in range(2):  # 1 node x 2 tasks instead of 2 x 4
         log = f"task-{rank}.log"
-        env = worker_env(tmp_path, slurm_task_env(rank, 2, "127.0.0.1", str(rank)))
+        slurm = slurm_task_env(rank, 2, "127.0.0.1", str(rank))
         with open(tmp_path / log, "w") as out:
-            process = subprocess.Popen(
-                TRAIN + args, cwd=tmp_path, env=env, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True)
+            # SLURM's variables: read by the resolver, once training starts.
+            process = multiworker.popen(TRAIN + args, tmp_path, worker_env(tmp_path, slurm),
+                                        out, run_time=tuple(slurm))
         processes[rank] = (process, log)
     outputs = wait_all(processes, tmp_path)
     assert "Training alexnet_bn on digits: 2 worker(s), global batch 32" in outputs[0]

@@ -16,14 +16,14 @@ from skips import needs_fashion_mnist
 pytestmark = pytest.mark.multiworker
 
 SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(command, cwd, timeout=400):
-    # This tree's code, wherever the package is installed from.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop("TF_CONFIG", None)
+    """`command` with its output as text: tfscale-train as a process of its
+    own (`multiworker.run`), tfscale-launch as a fresh one."""
+    env = multiworker.worker_env(cwd)
+    if command[0] == "tfscale-train":
+        return multiworker.run(command, cwd, env, timeout)
     return subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
@@ -185,7 +185,8 @@ def test_timeline_flag_writes_every_step_of_each_worker(tmp_path):
     from tfscale import timeline
 
     traces = tmp_path / "timeline"
-    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
+    process = run(["tfscale-launch", "--num_workers=2", "--timeout=300",
+                   "--preload=tfscale.strategy", "--",
                    "tfscale-train", *ONE_EPOCH, f"--timeline={traces}"],
                   cwd=tmp_path, timeout=360)
     assert process.returncode == 0, process.stdout[-4000:]

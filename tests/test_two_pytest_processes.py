@@ -1,7 +1,8 @@
 """README's test command runs the suite in two pytest processes
 (pytest-xdist, `-n 2 --dist loadfile`): the one that waits on the package
 index is handed out first, then the others, longest first by
-tests/durations.json (tests/conftest.py), and the two processes' worker
+tests/durations.json (tests/suite_timing.py, loaded here alone: these
+pytest runs import no TensorFlow), and the two processes' worker
 pools share one memory budget (tests/worker_pool.py)."""
 
 import json
@@ -26,7 +27,7 @@ def environment(**extra):
 
 def run_pytest(tmp_path, durations, *args):
     process = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-v",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "suite_timing", "-v",
          *args, "test_fast.py", "test_workers.py", "test_long.py", "test_index.py"],
         cwd=tmp_path, env=environment(TFSCALE_TEST_DURATIONS=str(durations)),
         stdout=subprocess.PIPE,
@@ -114,7 +115,7 @@ def test_cpu_durations_count_the_processes_a_test_starts_and_not_its_waits(tmp_p
         " check=True)\n\n"
         "def test_sleeps():\n    time.sleep(1)\n")
     process = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-q",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "suite_timing", "-q",
          "-n", "1", "--cpu-durations=0", "test_cpu.py"],
         cwd=tmp_path, env=environment(TFSCALE_TEST_DURATIONS=str(tmp_path / "d.json")),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)

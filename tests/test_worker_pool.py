@@ -1,6 +1,14 @@
 """The reused worker processes (tests/worker_pool.py, tests/pool_worker.py):
 a scenario sees nothing an earlier one changed, and one that fails or
-leaves what cannot be undone ends its pool with every worker's output."""
+leaves what cannot be undone ends its pool with every worker's output; and
+the processes a test starts of its own from the pools' preload process
+(multiworker.popen)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +96,47 @@ def test_op_determinism_left_on_fails_the_scenario_naming_it(tmp_path):
     assert run.returncode != 0
     assert ("left process-wide state that later scenarios would see: "
             "{'op determinism': True}") in run.output
+
+
+# Processes of a test's own, forked from the pools' preload process
+# (multiworker.popen): as a fresh interpreter would start them, none reused.
+PROBE = [sys.executable, os.path.join(multiworker.WORKERS_DIR, "pool_probe.py")]
+
+
+def test_a_forked_process_has_its_environment_arguments_folder_and_frozen_imports(tmp_path):
+    env = multiworker.worker_env(tmp_path, {"POOL_PROBE": "its own"})
+    for mode in ("state", "process"):
+        process = multiworker.run([*PROBE, mode, "--probe=given"], tmp_path, env,
+                                  timeout=120, run_time=("POOL_PROBE",))
+        assert process.returncode == 0, process.stdout[-3000:]
+        result = json.loads((tmp_path / "worker-0.json").read_text())
+        if mode == "state":
+            assert (result["env"], result["cwd"], result["probe"]) == (
+                "its own", str(tmp_path), "given")
+            assert result["pid"] != os.getpid()
+        else:
+            assert result["argv0"] == PROBE[1]
+            assert result["path0"] == multiworker.WORKERS_DIR
+            # TensorFlow's and Keras's module objects, frozen in the preload
+            # process before the fork: this process imported none of them.
+            assert result["collecting"] and result["frozen"] > 100_000, result
+
+
+def test_a_forked_process_is_killed_waited_for_and_reports_the_signal(tmp_path):
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")
+    process = multiworker.popen([sys.executable, str(sleeper)], tmp_path,
+                                multiworker.worker_env(tmp_path), subprocess.DEVNULL)
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.5)
+    assert os.getpgid(process.pid) == process.pid  # a session of its own
+    process.kill()
+    assert process.wait(timeout=30) == -signal.SIGKILL == process.returncode
+
+
+def test_a_variable_read_at_import_must_match_the_preload_process(tmp_path):
+    with pytest.raises(ValueError, match=r"\['KERAS_BACKEND'\] differ from the pools' "
+                                         r"environment at import"):
+        multiworker.popen(PROBE + ["state"], tmp_path,
+                          multiworker.worker_env(tmp_path, {"KERAS_BACKEND": "jax"}),
+                          subprocess.DEVNULL)

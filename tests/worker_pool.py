@@ -72,6 +72,15 @@ def _preload_process(env):
     return _preloaded[0]
 
 
+def fork(target, env, import_env, output=None, cwd=None):
+    """Forks a process of a test's own running `target` (see
+    `preload.python_target`) with environment `env`, from the preload
+    process for `import_env` (`env` less what the process reads only at run
+    time): the one the pools' workers come from, where that is theirs.
+    Returns a `preload.ForkedWorker`, the pytest process its parent."""
+    return _preload_process(import_env).start(target, env, output=output, cwd=cwd)
+
+
 class WorkerPool:
     """N reused worker processes forming one cluster."""
 

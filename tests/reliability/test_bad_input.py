@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+import multiworker
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -16,13 +17,11 @@ def train(tmp_path, *flags, tf_config=None, timeout=180):
     if tf_config is not None:
         env["TF_CONFIG"] = tf_config
     before = set(p.name for p in tmp_path.iterdir())
-    process = subprocess.run(
+    process = multiworker.run(
         ["tfscale-train", "--epochs=1", "--steps_per_epoch=1", "--fc_units=8",
          f"--export_dir={tmp_path / 'export'}", f"--model_dir={tmp_path / 'model'}",
          *flags],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout,
-    )
+        tmp_path, env, timeout=timeout)
     assert process.returncode != 0
     assert set(p.name for p in tmp_path.iterdir()) == before, "something was written"
     return process.stdout

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import multiworker
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -27,14 +28,12 @@ def serve(path):
 def test_killed_export_keeps_the_previous_one(tmp_path):
     export = tmp_path / "export"
     env = worker_env(tmp_path)
-    first = subprocess.run(TRAIN + [f"--export_dir={export}"], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = multiworker.run(TRAIN + [f"--export_dir={export}"], tmp_path, env, timeout=300)
     assert first.returncode == 0, first.stdout[-3000:]
     before = serve(export)
 
-    second = subprocess.Popen(TRAIN + [f"--export_dir={export}", "--seed=1"],
-                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    second = multiworker.popen(TRAIN + [f"--export_dir={export}", "--seed=1"],
+                               tmp_path, env, subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and second.poll() is None:
         if any(".partial-" in p for p in os.listdir(tmp_path)):

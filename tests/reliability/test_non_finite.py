@@ -17,8 +17,8 @@ pytestmark = pytest.mark.multiworker
 def test_nan_loss_stops_every_worker_and_keeps_the_last_good_checkpoint(tmp_path):
     model_dir = tmp_path / "model"
     process = subprocess.run(
-        ["tfscale-launch", "--num_workers=2", "--timeout=300", "--",
-         "tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=3",
+        ["tfscale-launch", "--num_workers=2", "--timeout=300", "--preload=tfscale.strategy",
+         "--", "tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=3",
          "--steps_per_epoch=10", "--learning_rate=1e12", "--checkpoint_steps=1",
          f"--model_dir={model_dir}", "--export_dir="],
         cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,

@@ -3,8 +3,8 @@ mid-training and relaunched is tests/reliability/test_automatic_restart.py.)"""
 
 import pytest
 import json
-import subprocess
 
+import multiworker
 from multiworker import saved_step
 from multiworker import worker_env
 
@@ -18,8 +18,7 @@ def test_resuming_with_a_changed_learning_rate_is_refused_naming_only_that_chang
             "--epochs=1", "--steps_per_epoch=2", f"--model_dir={model_dir}",
             "--export_dir="]
     env = worker_env(tmp_path)
-    first = subprocess.run(base, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=300)
+    first = multiworker.run(base, tmp_path, env, timeout=300)
     assert first.returncode == 0, first.stdout[-4000:]
     # As written before --bn_statistics_batches existed: left at its default,
     # the flag must not count as a change.
@@ -29,9 +28,7 @@ def test_resuming_with_a_changed_learning_rate_is_refused_naming_only_that_chang
     saved = (model_dir / "settings.json").read_text()
     assert saved_step(model_dir) == 2
 
-    second = subprocess.run(base + ["--learning_rate=0.1"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=300)
+    second = multiworker.run(base + ["--learning_rate=0.1"], tmp_path, env, timeout=300)
     assert second.returncode != 0
     assert "Traceback" not in second.stdout, second.stdout[-4000:]
     assert (f"tfscale-train: The checkpoints in {model_dir} were written with "

@@ -3,7 +3,6 @@ few flipped bytes (bit rot on a shared volume) and a disk that fills up
 during a checkpoint. Each is named by its cause, never as a lost peer."""
 
 import errno
-import os
 import shutil
 import subprocess
 import sys
