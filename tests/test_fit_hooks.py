@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import multiworker
 from multiworker import WORKERS_DIR
 from multiworker import assert_succeeded
 from multiworker import launch_workers
@@ -135,8 +136,6 @@ GPUS = tf.config.list_physical_devices("GPU")
 
 @pytest.mark.multiworker
 def test_jit_compile_on_one_worker_trains_as_stock(tmp_path):
-    import subprocess
-
     weights = {}
     with open(f"{WORKERS_DIR}/jit_compile_fit.py") as f:
         original = f.read()
@@ -149,10 +148,10 @@ def test_jit_compile_on_one_worker_trains_as_stock(tmp_path):
             script = script.replace(old, new)
         results = tmp_path / name
         results.mkdir()
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                              text=True, timeout=180,
-                              env=worker_env(results), cwd=str(tmp_path))
-        assert done.returncode == 0, done.stderr[-3000:]
+        (tmp_path / f"{name}.py").write_text(script)
+        done = multiworker.run([sys.executable, str(tmp_path / f"{name}.py")], tmp_path,
+                               worker_env(results), timeout=180)
+        assert done.returncode == 0, done.stdout[-3000:]
         weights[name] = (results / "worker-0.json").read_text()
     assert weights["tfscale"] == weights["stock"]
 

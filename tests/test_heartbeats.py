@@ -55,7 +55,6 @@ def test_a_strategy_that_fails_to_build_leaves_no_coordination_service_configure
     # waits for its peers as a first one does (`cluster_connected`).
     import json
     import socket
-    import subprocess
     import sys
 
     from tfscale.launch import ports
@@ -77,10 +76,11 @@ def test_a_strategy_that_fails_to_build_leaves_no_coordination_service_configure
         "    print('refused:', error)\n"
         "print('configured after:', tf_collectives.cluster_connected())\n")
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=120, env=multiworker.worker_env(
-                                  tmp_path, {"TF_CONFIG": tf_config}))
+        (tmp_path / "build.py").write_text(script)
+        done = multiworker.run([sys.executable, str(tmp_path / "build.py")], tmp_path,
+                               multiworker.worker_env(tmp_path, {"TF_CONFIG": tf_config}),
+                               timeout=120)
     finally:
         peer.close()
-    assert "refused: communication_options must be an instance" in done.stdout, done.stderr[-3000:]
-    assert "configured after: False" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "refused: communication_options must be an instance" in done.stdout, done.stdout[-3000:]
+    assert "configured after: False" in done.stdout, done.stdout[-3000:]

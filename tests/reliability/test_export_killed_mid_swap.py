@@ -11,7 +11,6 @@ is injected through the functions the export calls (`ExportArchive.write_out`,
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import multiworker
 from multiworker import worker_env
 
 CHILD = textwrap.dedent("""
@@ -64,6 +64,14 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def run_child(tmp_path, target, kill_at):
+    """CHILD as a process of its own (`python child.py TARGET KILL_AT`)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return multiworker.run([sys.executable, str(script), str(target), kill_at],
+                           tmp_path, worker_env(tmp_path), timeout=300)
+
+
 def serve(path):
     images = np.arange(2 * 64, dtype=np.uint8).reshape(2, 8, 8, 1)
     signature = tf.saved_model.load(str(path)).signatures["serving_default"]
@@ -91,10 +99,7 @@ def reference(tmp_path, seed):
 @pytest.mark.multiworker
 def test_killed_export_leaves_a_loadable_export(tmp_path, kill_at, serves_seed):
     target = tmp_path / "export"
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(target), kill_at], cwd=tmp_path,
-        env=worker_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300)
+    child = run_child(tmp_path, target, kill_at)
     assert child.returncode == -signal.SIGKILL, child.stdout[-3000:]
     np.testing.assert_array_equal(serve(target), reference(tmp_path, serves_seed))
     leftovers = [p for p in os.listdir(tmp_path) if p.startswith("export.")]
@@ -105,10 +110,7 @@ def test_killed_export_leaves_a_loadable_export(tmp_path, kill_at, serves_seed):
 @pytest.mark.multiworker
 def test_export_is_never_moved_away_from_export_dir(tmp_path):
     target = tmp_path / "export"
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(target), "after_moving_away"],
-        cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300)
+    child = run_child(tmp_path, target, "after_moving_away")
     assert child.returncode == 0, (
         f"killed after moving the export away (exit {child.returncode}): "
         f"{sorted(os.listdir(tmp_path))}\n{child.stdout[-3000:]}")
