@@ -234,9 +234,11 @@ class Forked:
         return self._worker.poll()
 
     def wait(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is None:
+            return self._worker.wait()
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.02)
         return self.returncode
@@ -283,17 +285,12 @@ def cluster_tf_configs(tasks):
             for job, index in tasks]
 
 
-def start_process(command, tmp_path, log_name, tf_config, extra_env=None, fresh=False):
-    """Starts `command` with `tf_config`, its output to tmp_path/log_name:
-    forked (`popen`; `extra_env` is read at run time), or with `fresh` a new
-    interpreter, where what it starts with is the point."""
+def start_process(command, tmp_path, log_name, tf_config, extra_env=None):
+    """Starts `command` with `tf_config` (`popen`; `extra_env` is read at run
+    time), its output to tmp_path/log_name."""
     env = worker_env(tmp_path, dict(extra_env or {}, TF_CONFIG=tf_config))
     with open(tmp_path / log_name, "w") as log:
-        if not fresh:
-            return popen(command, tmp_path, env, log, run_time=tuple(extra_env or ()))
-        return subprocess.Popen(command, cwd=str(tmp_path), stdout=log,
-                                stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return popen(command, tmp_path, env, log, run_time=tuple(extra_env or ()))
 
 
 def start_cluster(commands, tmp_path, extra_env=None, tasks=None):
