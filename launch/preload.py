@@ -30,6 +30,11 @@ are the preload process's; the worker's own environment is `os.environ`.
 The preload process is started with the workers' environment less the
 variables set per worker (PER_WORKER): the others, read at import, are
 the workers' own. Linux only (setns, subreapers).
+
+A process that has imported MODULES already, and started no TensorFlow
+runtime, can hand a launcher it runs in-process a preload process forked
+from itself (`hand_down`): a test harness whose processes are forked from
+a preload process of its own, as tfscale's suite is (tests/README.md).
 """
 
 import ctypes
@@ -97,13 +102,19 @@ def python_target(command):
 
 
 class PreloadProcess:
-    """The launcher's end: starts the preload process, then one worker per
-    `start` call, each the launcher's own child."""
+    """The launcher's end: starts the preload process (or takes the one
+    `hand_down` forked, where it serves `modules` and `env`), then one
+    worker per `start` call, each the launcher's own child."""
 
     def __init__(self, modules, env):
         self.modules = tuple(modules)
-        self.env = {k: v for k, v in env.items() if k not in PER_WORKER}
+        self.env = _import_env(env)
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        self._printer = None
+        handed_down = _take_handed_down(self.modules, self.env)
+        if handed_down is not None:
+            self._socket, self._process = handed_down
+            return
         # One request or reply per packet (SOCK_SEQPACKET keeps their bounds).
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._process = subprocess.Popen(
@@ -124,7 +135,7 @@ class PreloadProcess:
         """Whether workers of `modules` with environment `env` can be forked
         from this process (same modules, same environment at import)."""
         return (self._process.poll() is None and tuple(modules) == self.modules
-                and {k: v for k, v in env.items() if k not in PER_WORKER} == self.env)
+                and _import_env(env) == self.env)
 
     def start(self, target, env, netns=None, output=None, cwd=None):
         """Forks a worker running `target` (see `python_target`) with
@@ -150,7 +161,8 @@ class PreloadProcess:
             if read is not None:
                 os.close(read)
             code = self._process.wait()
-            self._printer.join(timeout=10)
+            if self._printer is not None:
+                self._printer.join(timeout=10)
             raise PreloadError(
                 f"the preload process (--preload={','.join(self.modules)}) exited "
                 f"with code {code} before starting a worker; its output is above, "
@@ -167,9 +179,75 @@ class PreloadProcess:
             self._process.wait()
 
 
+def _import_env(env):
+    """What of a worker's environment its preload process imports with."""
+    return {k: v for k, v in env.items() if k not in PER_WORKER}
+
+
+# (channel, child, modules, environment) from `hand_down`, until a launcher
+# takes it.
+_handed_down = []
+
+
+def hand_down(modules):
+    """Forks this process into a preload process of `modules` for the
+    launcher this process goes on to run in-process (`tfscale.launch.local`
+    or `tfscale.launch.bench` by `runpy`): its first `PreloadProcess` of
+    `modules` for this environment is that child, not a new interpreter
+    importing them again. This process must have imported `modules` and run
+    nothing else on other threads (no TensorFlow runtime, which starts
+    them): forking is then as safe as the preload process's own."""
+    problems = []
+    missing = [m for m in modules if m not in sys.modules]
+    if missing:
+        problems.append(f"{missing} not imported")
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        problems.append(f"{threads} threads running")
+    if problems:
+        raise PreloadError(
+            f"hand_down({','.join(modules)}) forks a process that imported them and "
+            f"runs one thread: {'; '.join(problems)}")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        ours.close()
+        os.setsid()  # as `start_new_session` puts a new preload process
+        die_with_parent()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        request = _serve(theirs, os.pipe())
+        if request is None:
+            os._exit(0)  # the launcher's code after the fork is not ours to run
+        run_target(_become_worker(request))
+        sys.exit(0)
+    theirs.close()
+    _handed_down[:] = [(ours, ForkedWorker(child, None), tuple(modules),
+                        _import_env(os.environ))]
+
+
+def _take_handed_down(modules, env):
+    """(channel, process) of the handed-down preload process if it serves
+    `modules` and `env` (a `PreloadProcess`'s), else None. One that does not
+    is ended: the launcher then starts its own."""
+    if not _handed_down:
+        return None
+    (channel, child, its_modules, its_env), = _handed_down
+    _handed_down.clear()
+    if its_modules == modules and its_env == env:
+        return channel, child
+    channel.close()  # the child exits at end of input
+    child.wait()
+    return None
+
+
 class ForkedWorker:
     """A worker forked by the preload process and adopted by the launcher:
-    `pid`, `stdout`, `poll()` and `wait()` as a `subprocess.Popen` has them."""
+    `pid`, `stdout`, `poll()`, `wait()` and `kill()` as a `subprocess.Popen`
+    has them."""
 
     def __init__(self, pid, stdout):
         self.pid = pid
@@ -183,11 +261,22 @@ class ForkedWorker:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self):
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
+    def wait(self, timeout=None):
+        if timeout is None:
+            if self.returncode is None:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
         return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _print_prefixed(stream):
@@ -259,7 +348,7 @@ def _become_worker(request):
     return request["target"]
 
 
-def _run(target):
+def run_target(target):
     """Runs `target` as `python -m NAME` or `python PATH` would."""
     kind, name, args = target
     if kind == "module":
@@ -324,7 +413,7 @@ def main():
     request = _serve(channel, os.pipe())
     if request is None:
         return
-    _run(_become_worker(request))
+    run_target(_become_worker(request))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import worker_pool
 from tfscale.launch import preload
@@ -84,10 +83,11 @@ def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env
     through tfscale-launch, for tests that must own their processes; `why`
     says why in one line (tests/README.md lists them). Each has TensorFlow
     imported as tfscale-train imports it (tests/fresh_worker.py): forked
-    from a process that imported it (`--preload`, launch/preload.py), or
-    with `fresh`, where what a new interpreter starts with is the point,
-    importing it itself. `launcher_args`: flags of tfscale-launch itself,
-    e.g. `--grace_seconds=30`."""
+    from a process that imported it (`--preload`, launch/preload.py, with
+    the launcher forked as `popen` forks, see `preloaded`), or with `fresh`,
+    where what a new interpreter starts with is the point, importing it
+    itself. `env`: variables the script reads once it runs.
+    `launcher_args`: flags of tfscale-launch itself, e.g. `--grace_seconds=30`."""
     assert why, "say why this test needs processes of its own"
     results_dir = _results_dir(tmp_path, script, num_workers)
     start = [] if fresh else [f"--preload={FRESH_WORKER_IMPORTS}"]
@@ -96,15 +96,14 @@ def launch_workers(script, num_workers, tmp_path, why, args=(), timeout=300, env
         f"--num_workers={num_workers}", f"--timeout={timeout}", *start, *launcher_args, "--",
         sys.executable, FRESH_WORKER, os.path.join(WORKERS_DIR, script), *args,
     ]
-    run_env = dict(os.environ, TFSCALE_TEST_RESULTS=str(results_dir),
-                   TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    run_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, WORKERS_DIR, os.environ.get("PYTHONPATH")) if p
-    )
-    process = subprocess.run(
-        command, cwd=str(tmp_path), env=run_env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=timeout + 60,
-    )
+    run_env = worker_env(tmp_path, dict(env or {}, TFSCALE_TEST_RESULTS=str(results_dir)))
+    if fresh:
+        process = subprocess.run(
+            command, cwd=str(tmp_path), env=run_env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, timeout=timeout + 60)
+    else:
+        process = run(preloaded(command), tmp_path, run_env, timeout + 60,
+                      run_time=tuple(env or ()))
     return Run(process.returncode, process.stdout, _read_results(results_dir, num_workers))
 
 
@@ -180,10 +179,11 @@ def popen(command, cwd, env, stdout, run_time=()):
     target = preload.python_target(command)
     if target is None:
         raise ValueError(f"popen forks Python processes; {command[0]!r} is not one")
-    import_env = {k: v for k, v in env.items() if k not in (*_RUN_TIME, *run_time)}
-    expected = _import_env()
+    ignored = (*_RUN_TIME, *run_time, *preload.PER_WORKER)
+    import_env = {k: v for k, v in env.items() if k not in ignored}
+    expected = {k: v for k, v in _import_env().items() if k not in ignored}
     differs = sorted(k for k in set(import_env) | set(expected)
-                     if k not in preload.PER_WORKER and import_env.get(k) != expected.get(k))
+                     if import_env.get(k) != expected.get(k))
     if differs:
         raise ValueError(
             f"popen: {differs} differ from the pools' environment at import; pass "
@@ -193,12 +193,27 @@ def popen(command, cwd, env, stdout, run_time=()):
     if stdout == subprocess.DEVNULL:
         stdout = devnull = open(os.devnull, "wb")
     try:
-        worker = worker_pool.fork(target, env, import_env, cwd=str(cwd),
+        worker = worker_pool.fork(target, env, _import_env(), cwd=str(cwd),
                                   output=None if stdout == subprocess.PIPE else stdout)
     finally:
         if devnull is not None:
             devnull.close()
     return Forked(worker, command)
+
+
+# Runs a launcher with its preload process forked from it (see `preloaded`).
+PRELOADED_LAUNCHER = os.path.join(REPO_ROOT, "tests", "preloaded_launcher.py")
+
+
+def preloaded(command):
+    """`command`, tfscale-launch or tfscale-bench with
+    `--preload=tfscale.strategy`, as `popen` and `run` start it with its
+    preload process forked from the launcher (tests/preloaded_launcher.py),
+    which has imported tfscale's core already: the launcher and its workers
+    are a run's own processes, as they would be started anew, without a new
+    interpreter importing TensorFlow for them. Tests of the preload process
+    itself start theirs with `subprocess`."""
+    return [sys.executable, PRELOADED_LAUNCHER, *command]
 
 
 def run(command, cwd, env, timeout, run_time=()):
@@ -234,14 +249,10 @@ class Forked:
         return self._worker.poll()
 
     def wait(self, timeout=None):
-        if timeout is None:
-            return self._worker.wait()
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.02)
-        return self.returncode
+        try:
+            return self._worker.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
 
     def communicate(self, timeout=None):
         """(its whole output, None) once it has exited."""

@@ -16,6 +16,7 @@ import pytest
 
 from tfscale.launch.bench import report
 from tfscale.launch.bench import train
+import multiworker
 from multiworker import REPO_ROOT
 
 pytestmark = pytest.mark.multiworker
@@ -32,11 +33,14 @@ def bench(tmp_path, subcommand, *args, timeout=240, returncode=0):
     """A tfscale-bench run. A subcommand that starts workers forks them from
     a process that imported tfscale's core (`--preload`): its measurements
     begin after their imports either way."""
-    preload = [] if subcommand == "project" else ["--preload=tfscale.strategy"]
-    process = subprocess.run(
-        [sys.executable, "-m", "tfscale.launch.bench", subcommand, *args, *preload],
-        cwd=str(tmp_path), env=_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "tfscale.launch.bench", subcommand, *args]
+    if subcommand == "project":  # starts no worker
+        process = subprocess.run(
+            command, cwd=str(tmp_path), env=_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    else:  # the launcher's preload process forked from it (multiworker.preloaded)
+        process = multiworker.run(multiworker.preloaded([*command, "--preload=tfscale.strategy"]),
+                                  tmp_path, multiworker.worker_env(tmp_path), timeout)
     assert process.returncode == returncode, process.stdout[-6000:]
     return process.stdout
 

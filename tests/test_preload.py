@@ -14,9 +14,12 @@ import time
 
 import pytest
 
+import multiworker
 from multiworker import netns_not_permitted_reason
 from multiworker import pid_alive
+from multiworker import worker_env
 from multiworker import WORKERS_DIR
+from tfscale.launch import preload
 
 pytestmark = pytest.mark.multiworker
 
@@ -107,3 +110,61 @@ def test_a_preload_module_that_fails_to_import_is_named():
     assert ("tfscale-launch: the preload process (--preload=tfscale_no_such_module) "
             "exited with code 1 before starting a worker; its output is above, "
             "prefixed [preload].") in process.stderr
+
+
+# ------------------------------------------- a preload process handed down
+# `preload.hand_down`: the launcher takes a preload process forked from the
+# process it runs in (tests/preloaded_launcher.py), as the suite's launches do.
+
+def _interpreter_log(tmp_path):
+    """An environment in which each new Python interpreter appends its
+    command line to the returned file (a sitecustomize.py on PYTHONPATH,
+    read at an interpreter's start only), and that file."""
+    site = tmp_path / "site"
+    site.mkdir()
+    log = tmp_path / "interpreters.log"
+    (site / "sitecustomize.py").write_text(
+        "with open('/proc/self/cmdline', 'rb') as f:\n"
+        "    line = f.read().rstrip(b'\\0').replace(b'\\0', b' ').decode()\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(line + '\\n')\n")
+    base = worker_env(tmp_path)
+    env = dict(base, PYTHONPATH=os.pathsep.join([str(site), base["PYTHONPATH"]]))
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+    assert log.read_text() == f"{sys.executable} -c pass\n"  # it sees one
+    log.unlink()
+    return env, log
+
+
+def test_a_launcher_handed_a_preload_process_forks_its_workers_from_it_and_starts_no_interpreter(
+        tmp_path):
+    env, log = _interpreter_log(tmp_path)
+    process = multiworker.run(
+        multiworker.preloaded([*LAUNCH, "--num_workers=2", "--preload=tfscale.strategy",
+                               "--", sys.executable, PROBE, "strategy"]),
+        tmp_path, env, timeout=240, run_time=("PYTHONPATH",))
+    assert process.returncode == 0, process.stdout[-3000:]
+    assert sorted(re.findall(r"\[worker (\d)\] preloaded=\w+ session_leader=True",
+                             process.stdout)) == ["0", "1"]
+    assert sorted(re.findall(r"\[worker (\d)\] sum=3.0", process.stdout)) == ["0", "1"]
+    assert not log.exists(), log.read_text()
+
+
+def test_a_launcher_of_other_modules_ends_the_handed_down_process_and_starts_its_own(
+        tmp_path):
+    env, log = _interpreter_log(tmp_path)
+    process = multiworker.run(
+        multiworker.preloaded([*LAUNCH, "--num_workers=2",
+                               "--preload=tfscale.strategy,tfscale.launch.ports",
+                               "--", sys.executable, PROBE, "strategy"]),
+        tmp_path, env, timeout=240, run_time=("PYTHONPATH",))
+    assert process.returncode == 0, process.stdout[-3000:]
+    assert sorted(re.findall(r"\[worker (\d)\] sum=3.0", process.stdout)) == ["0", "1"]
+    (started,) = log.read_text().splitlines()
+    assert started.startswith(f"{sys.executable} -m tfscale.launch.preload ")
+    assert started.endswith(" tfscale.strategy,tfscale.launch.ports")
+
+
+def test_hand_down_refuses_modules_not_imported_before_it_forks():
+    with pytest.raises(preload.PreloadError, match=r"\['tfscale_not_imported'\] not imported"):
+        preload.hand_down(["json", "tfscale_not_imported"])

@@ -7,7 +7,6 @@ odd three ways: the workers, the nodes and the workers on each node; for
 halving-doubling, 9 is 8 that pair up in three rounds and one folded in.)"""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -24,12 +23,11 @@ NETNS_PROBLEM = multiworker.netns_not_permitted_reason()
                     reason=f"emulated nodes need network namespaces: {NETNS_PROBLEM}")
 def test_nine_workers_on_three_nodes_of_three_train_as_one_worker_with_every_algorithm(tmp_path):
     output = tmp_path / "scale.json"
-    process = subprocess.run(
+    process = multiworker.run(multiworker.preloaded(
         [sys.executable, "-m", "tfscale.launch.bench", "scale", "--worker_counts=9",
          "--num_workers=9", "--emulate_nodes=3", "--timeout=900", f"--output={output}",
-         "--preload=tfscale.strategy"],
-        cwd=tmp_path, env=multiworker.worker_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=1200)
+         "--preload=tfscale.strategy"]),
+        tmp_path, multiworker.worker_env(tmp_path), timeout=1200)
     assert process.returncode == 0, process.stdout[-6000:]
     (row,) = json.loads(output.read_text())
     assert row["num_workers"] == 9 and row["emulated_nodes"] == 3

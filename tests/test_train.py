@@ -19,11 +19,15 @@ SMALL = ["--fc_units=32", "--global_batch_size=32", "--steps_per_epoch=4"]
 
 
 def run(command, cwd, timeout=400):
-    """`command` with its output as text: tfscale-train as a process of its
-    own (`multiworker.run`), tfscale-launch as a fresh one."""
+    """`command` with its output as text: tfscale-train, or tfscale-launch
+    with `--preload=tfscale.strategy`, as processes of its own
+    (`multiworker.run`, `multiworker.preloaded`), another tfscale-launch as
+    a fresh one."""
     env = multiworker.worker_env(cwd)
     if command[0] == "tfscale-train":
         return multiworker.run(command, cwd, env, timeout)
+    if "--preload=tfscale.strategy" in command:
+        return multiworker.run(multiworker.preloaded(command), cwd, env, timeout)
     return subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 

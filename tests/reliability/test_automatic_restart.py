@@ -8,13 +8,14 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 from multiworker import checkpoint_variables
+from multiworker import popen
+from multiworker import preloaded
 from multiworker import run_train
 from multiworker import saved_step
 from multiworker import started_pid
@@ -60,9 +61,7 @@ def test_a_run_with_3_workers_killed_at_random_restarts_and_matches_an_uninterru
     chaos = tmp_path / "chaos"
     log_path = tmp_path / "chaos.log"
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(
-            command(chaos, "--max_restarts=3"), cwd=tmp_path,
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+        launcher = popen(preloaded(command(chaos, "--max_restarts=3")), tmp_path, env, log)
     try:
         kills = []  # (slot killed, checkpoint step seen just before)
         deadline = time.monotonic() + 400

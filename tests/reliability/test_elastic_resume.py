@@ -7,13 +7,14 @@ import pytest
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 
 from multiworker import WORKERS_DIR
 from multiworker import assert_succeeded
+from multiworker import preloaded
+from multiworker import run
 from multiworker import run_workers
 from multiworker import saved_step
 from multiworker import worker_env
@@ -63,14 +64,13 @@ def test_a_slot_that_keeps_failing_is_dropped_and_training_finishes_on_2_workers
     train = ["--model=alexnet_bn_small", "--fc_units=32", "--global_batch_size=24", "--epochs=1",
              "--steps_per_epoch=14", "--checkpoint_steps=2", f"--model_dir={model_dir}",
              "--export_dir="]
-    done = subprocess.run(
+    done = run(preloaded(
         [sys.executable, "-m", "tfscale.launch.local", "--num_workers=3", "--timeout=400",
          "--grace_seconds=2", "--max_restarts=3", "--min_workers=2",
-         "--preload=tfscale.strategy", "--",  # one import for all three launches
+         "--preload=tfscale.strategy", "--",  # one preload process for all three launches
          sys.executable, os.path.join(WORKERS_DIR, "flaky_slot_train.py"),
-         "2", str(model_dir), "4", "--", *train],
-        cwd=tmp_path, env=worker_env(tmp_path), timeout=460,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "2", str(model_dir), "4", "--", *train]),
+        tmp_path, worker_env(tmp_path), timeout=460)
     output = done.stdout
     assert done.returncode == 0, output[-6000:]
     died_at = int(re.search(r"\[worker 2\] slot 2: dying after the checkpoint of step "

@@ -3,11 +3,12 @@ checkpoint."""
 
 import pytest
 import json
-import subprocess
 
 import numpy as np
 import tensorflow as tf
 
+from multiworker import preloaded
+from multiworker import run
 from multiworker import worker_env
 
 pytestmark = pytest.mark.multiworker
@@ -16,14 +17,12 @@ pytestmark = pytest.mark.multiworker
 
 def test_nan_loss_stops_every_worker_and_keeps_the_last_good_checkpoint(tmp_path):
     model_dir = tmp_path / "model"
-    process = subprocess.run(
+    process = run(preloaded(
         ["tfscale-launch", "--num_workers=2", "--timeout=300", "--preload=tfscale.strategy",
          "--", "tfscale-train", "--fc_units=32", "--global_batch_size=32", "--epochs=3",
          "--steps_per_epoch=10", "--learning_rate=1e12", "--checkpoint_steps=1",
-         f"--model_dir={model_dir}", "--export_dir="],
-        cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=360,
-    )
+         f"--model_dir={model_dir}", "--export_dir="]),
+        tmp_path, worker_env(tmp_path), timeout=360)
     output = process.stdout
     assert process.returncode != 0, output[-3000:]
     assert "(averaged over all workers) is nan at step" in output, output[-3000:]

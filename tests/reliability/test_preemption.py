@@ -9,7 +9,6 @@ within float32 rounding: the save averaged them over the workers)."""
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -18,6 +17,8 @@ import pytest
 
 from multiworker import checkpoint_variables
 from multiworker import pid_alive
+from multiworker import popen
+from multiworker import preloaded
 from multiworker import run_train
 from multiworker import started_pid
 from multiworker import worker_env
@@ -61,9 +62,8 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_relaunch_matches(tm
     preempted = tmp_path / "preempted"
     log_path = tmp_path / "preempted.log"
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(
-            command(preempted, "--max_restarts=1"), cwd=tmp_path,
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+        launcher = popen(preloaded(command(preempted, "--max_restarts=1")), tmp_path,
+                         env, log)
     try:
         # Mid-epoch 2: the chief announces the epoch when it starts.
         wait_for(lambda: "Epoch 2/3" in log_path.read_text(), "epoch 2 never started",

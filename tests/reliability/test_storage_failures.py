@@ -11,6 +11,9 @@ import time
 import pytest
 
 from multiworker import flip_bytes
+from multiworker import popen
+from multiworker import preloaded
+from multiworker import run
 from multiworker import saved_step
 from multiworker import worker_env
 
@@ -28,9 +31,8 @@ def launch_command(model_dir, extra=()):
 
 
 def launch(tmp_path, model_dir):
-    return subprocess.run(
-        launch_command(model_dir), cwd=tmp_path, env=worker_env(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=460)
+    return run(preloaded(launch_command(model_dir)), tmp_path, worker_env(tmp_path),
+               timeout=460)
 
 
 def test_a_corrupt_checkpoint_is_moved_aside_and_training_resumes_from_the_one_before(
@@ -66,10 +68,9 @@ def test_a_full_disk_is_named_with_its_path_and_the_last_good_checkpoint_stays(t
                     "needs root")
     try:
         model_dir = disk / "md"
-        process = subprocess.Popen(
-            launch_command(model_dir, ["--steps_per_epoch=40", "--checkpoint_steps=5"]),
-            cwd=tmp_path, env=worker_env(tmp_path), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        process = popen(
+            preloaded(launch_command(model_dir, ["--steps_per_epoch=40", "--checkpoint_steps=5"])),
+            tmp_path, worker_env(tmp_path), subprocess.PIPE)
         deadline = time.monotonic() + 300
         while saved_step(model_dir) < 5 and time.monotonic() < deadline:
             assert process.poll() is None, process.stdout.read()[-5000:]
