@@ -34,13 +34,10 @@ def bench(tmp_path, subcommand, *args, timeout=240, returncode=0):
     a process that imported tfscale's core (`--preload`): its measurements
     begin after their imports either way."""
     command = [sys.executable, "-m", "tfscale.launch.bench", subcommand, *args]
-    if subcommand == "project":  # starts no worker
-        process = subprocess.run(
-            command, cwd=str(tmp_path), env=_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    else:  # the launcher's preload process forked from it (multiworker.preloaded)
-        process = multiworker.run(multiworker.preloaded([*command, "--preload=tfscale.strategy"]),
-                                  tmp_path, multiworker.worker_env(tmp_path), timeout)
+    if subcommand != "project":  # which starts no worker
+        # Its preload process forked from the launcher (multiworker.preloaded).
+        command = multiworker.preloaded([*command, "--preload=tfscale.strategy"])
+    process = multiworker.run(command, tmp_path, multiworker.worker_env(tmp_path), timeout)
     assert process.returncode == returncode, process.stdout[-6000:]
     return process.stdout
 

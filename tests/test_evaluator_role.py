@@ -10,7 +10,6 @@ steps: the last one is the one written at the end of training.
 import glob
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -19,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from multiworker import cluster_tf_configs
+from multiworker import run
 from multiworker import start_process
 from multiworker import worker_env
 
@@ -194,6 +194,5 @@ def test_evaluator_gives_up_after_its_timeout_without_a_checkpoint(tmp_path):
 
 def run_evaluator(tmp_path, flags):
     config = cluster_tf_configs(TASKS)[0]
-    return subprocess.run(
-        TRAIN + flags, cwd=tmp_path, env=worker_env(tmp_path, {"TF_CONFIG": config}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    return run(TRAIN + flags, tmp_path, worker_env(tmp_path, {"TF_CONFIG": config}),
+               timeout=120)

@@ -4,7 +4,6 @@ workers giving the same weights."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,16 +15,12 @@ from tfscale.launch.studies.large_batch import report
 from tfscale.launch.studies.large_batch import results
 from tfscale.launch.studies.large_batch import rows
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_study(tmp_path, *args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
-    env.pop("TF_CONFIG", None)
-    return subprocess.run(
+    """The study as a process of its own (`multiworker.run`)."""
+    return multiworker.run(
         [sys.executable, "-m", "tfscale.launch.studies.large_batch", *args],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        tmp_path, multiworker.worker_env(tmp_path), timeout)
 
 
 @pytest.mark.multiworker

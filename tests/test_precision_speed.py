@@ -1,25 +1,22 @@
 """Smoke test of launch/studies/precision_speed.py: one tiny step per precision."""
 
-import pytest
-import os
-import subprocess
 import sys
+
+import pytest
+
+import multiworker
 
 pytestmark = pytest.mark.multiworker
 
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def test_reports_each_precision_against_the_first_and_with_determinism(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
-    process = subprocess.run(
+    # A process of its own (`multiworker.run`): the study turns op determinism on.
+    process = multiworker.run(
         [sys.executable, "-m", "tfscale.launch.studies.precision_speed", "--model=alexnet_bn",
          "--image_size=67", "--fc_units=8", "--num_classes=10",
          "--batch_size=2", "--steps=1", "--warmup_steps=1", "--rounds=1",
          "--deterministic_too"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300)
+        tmp_path, multiworker.worker_env(tmp_path), timeout=300)
     assert process.returncode == 0, process.stdout[-4000:]
     lines = process.stdout.splitlines()
     assert any(l.startswith("alexnet_bn, 67x67, batch 2, 1 x 1 timed steps")
